@@ -1,0 +1,1 @@
+"""Fine-tune diffusion models on your own images."""

@@ -1,0 +1,115 @@
+"""Complete training state on disk: written to a temporary folder, marked, then renamed."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kit.errors import KitError
+
+MARKER = "COMPLETE"
+ADAPTER_FILE = "adapter.safetensors"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives."""
+    return Path(run_dir) / "checkpoints" / f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; incomplete ones are skipped with a warning."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(root.iterdir()):
+        m = _NAME.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        if (d / MARKER).is_file():
+            out.append(d)
+        else:
+            warnings.warn(f"skipping incomplete checkpoint {d} (no {MARKER} marker)", stacklevel=2)
+    return sorted(out, key=lambda d: int(_NAME.match(d.name).group(1)))  # type: ignore[union-attr]
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """`latest` → newest complete checkpoint (or None); else the named folder, which must be complete."""
+    if resume == "latest":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / MARKER).is_file():
+        raise KitError(f"not a complete checkpoint: {path} (no {MARKER} marker)")
+    return path
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """Every random state that training draws from."""
+    state = {
+        "torch": torch.get_rng_state(),
+        "generator": generator.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["generator"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    adapter: dict[str, torch.Tensor],
+    optimizer: Any,
+    lr_scheduler: Any,
+    generator: torch.Generator,
+    progress: dict[str, Any],
+    keep: int = 0,
+) -> Path:
+    """Write the full state of `step`; the folder appears only once complete."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(adapter, str(tmp / ADAPTER_FILE))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng_state(generator), tmp / "rng.pt")
+    (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
+    (tmp / MARKER).write_text(str(step))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    if keep > 0:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint folder back into memory."""
+    return {
+        "adapter": load_file(str(path / ADAPTER_FILE)),
+        "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
+        "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
+        "rng": torch.load(path / "rng.pt", weights_only=False),
+        "progress": json.loads((path / "progress.json").read_text()),
+    }

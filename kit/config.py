@@ -1,0 +1,407 @@
+"""The run configuration: nested dataclasses, strict on load, one docstring per field.
+
+A config file may be flat (`{"lora_rank": 16, ...}`) or sectioned (`{"network": {"lora_rank": 16}}`);
+field names are unique across sections, so both mean the same.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import textwrap
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+from kit.errors import ConfigError
+
+PATH = {"path": True}  # metadata: resolved relative to the config file's folder
+
+
+@dataclass
+class ModelConfig:
+    model_family: str = "sd15"
+    """Registered model family (see `kit families`), e.g. `sd15`."""
+    pretrained_model: str = "runwayml/stable-diffusion-v1-5"
+    """Base model: a local diffusers folder or a hub id."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the base model; ignored for local folders."""
+    variant: str | None = None
+    """Weights variant of the base model, e.g. `fp16`."""
+
+
+@dataclass
+class DataConfig:
+    data_backend: Literal["local"] = "local"
+    """Where images are read from; `local` is a folder on this machine."""
+    image_dir: str = field(default="", metadata=PATH)
+    """Folder of training images (png, jpg, jpeg, webp, bmp); subfolders are read too."""
+    caption_dir: str = field(default="", metadata=PATH)
+    """Folder of same-stem caption files; empty means captions lie beside the images."""
+    caption_strategy: Literal["textfile", "filename", "instanceprompt"] = "textfile"
+    """Where captions come from: a `.txt` per image, the file name, or `instance_prompt` for all."""
+    caption_extension: str = ".txt"
+    """Extension of caption files."""
+    instance_prompt: str = ""
+    """Caption for every image when `caption_strategy` is `instanceprompt`."""
+    trigger_words: list[str] = field(default_factory=list)
+    """Words that call up the trained concept; written into the exported file's metadata."""
+    resolution: int = 512
+    """Target size: the bucket area is resolution² (`area`) or the short side (`pixel`)."""
+    resolution_type: Literal["area", "pixel"] = "area"
+    """How `resolution` sizes buckets: constant pixel count (`area`) or short side (`pixel`)."""
+    max_aspect_ratio: float = 2.0
+    """Widest (and, inverted, tallest) bucket aspect ratio."""
+    bucket_step: int = 0
+    """Bucket sides are multiples of this; 0 takes the model family's alignment."""
+    center_crop: bool = True
+    """Crop to the bucket at the centre; false crops at a seeded random offset."""
+    cache_dir: str = field(default="", metadata=PATH)
+    """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
+
+    def __post_init__(self) -> None:
+        if self.resolution < 32:
+            raise ConfigError(f"resolution: {self.resolution} is too small (at least 32)")
+        if self.max_aspect_ratio < 1.0:
+            raise ConfigError(f"max_aspect_ratio: {self.max_aspect_ratio} must be at least 1.0")
+
+
+@dataclass
+class NetworkConfig:
+    network_type: Literal["lora"] = "lora"
+    """What is trained: `lora` adds low-rank adapters to the denoiser."""
+    lora_rank: int = 16
+    """Rank of each LoRA update."""
+    lora_alpha: float | None = None
+    """LoRA scale numerator (update scale = alpha / rank); empty means alpha = rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input during training."""
+    lora_target_modules: list[str] = field(default_factory=list)
+    """Module names to adapt; empty takes the model family's defaults (attention projections)."""
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank: {self.lora_rank} must be at least 1")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout: {self.lora_dropout} must be in [0, 1)")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = field(default="runs/run", metadata=PATH)
+    """Run folder: checkpoints, logs, validation images and exports go here."""
+    seed: int = 42
+    """Seed for data order, noise and timesteps; the same seed gives the same run."""
+    learning_rate: float = 1e-4
+    """Peak learning rate."""
+    lr_scheduler: Literal[
+        "constant",
+        "constant_with_warmup",
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+    ] = "constant"
+    """Learning-rate schedule (diffusers `get_scheduler`)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    train_batch_size: int = 1
+    """Images per batch (per process)."""
+    gradient_accumulation_steps: int = 1
+    """Batches whose gradients add up before one optimizer step."""
+    max_train_steps: int = 1000
+    """Optimizer steps to train."""
+    mixed_precision: Literal["no", "fp32", "fp16", "bf16"] = "no"
+    """Compute precision; falls back to fp32 with a warning where the hardware lacks it."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about 30% slower."""
+    adam_beta1: float = 0.9
+    """AdamW first-moment decay."""
+    adam_beta2: float = 0.999
+    """AdamW second-moment decay."""
+    adam_weight_decay: float = 1e-2
+    """AdamW decoupled weight decay."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this norm; 0 turns clipping off."""
+    checkpointing_steps: int = 500
+    """Save the full training state every this many steps (0: only at the end)."""
+    checkpoints_total_limit: int = 0
+    """Keep only the newest this many checkpoints (0 keeps all)."""
+    logging_steps: int = 1
+    """Log loss, learning rate and gradient norm every this many steps."""
+    report_to: Literal["tensorboard", "none"] = "tensorboard"
+    """Tracker for metrics besides the JSONL log."""
+
+    def __post_init__(self) -> None:
+        for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: {getattr(self, name)} must be at least 1")
+        if self.learning_rate <= 0:
+            raise ConfigError(f"learning_rate: {self.learning_rate} must be positive")
+        if self.mixed_precision == "fp32":
+            self.mixed_precision = "no"
+
+
+@dataclass
+class ValidationConfig:
+    validation_steps: int = 0
+    """Sample the validation prompts every this many steps (0: only at the end)."""
+    validation_prompt: list[str] = field(default_factory=list)
+    """Prompts to sample (a string or a list); empty uses a few training captions."""
+    validation_negative_prompt: str = ""
+    """Negative prompt for every validation image."""
+    validation_seeds: list[int] = field(default_factory=lambda: [0, 1])
+    """One image per seed and prompt; the grid has a column per seed."""
+    validation_num_inference_steps: int = 25
+    """Sampler steps per validation image."""
+    validation_guidance_scale: float = 7.5
+    """Classifier-free guidance scale."""
+    validation_resolution: int = 0
+    """Side of the square validation images; 0 uses `resolution`."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+    def to_dict(self, flat: bool = False) -> dict[str, Any]:
+        """The config as plain data, sectioned or flat."""
+        d = dataclasses.asdict(self)
+        if flat:
+            return {k: v for sec in d.values() for k, v in sec.items()}
+        return d
+
+    def get(self, name: str) -> Any:
+        """A field by its unique name, whatever its section."""
+        return getattr(getattr(self, field_section(name)), name)
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with fields changed by name (checked like a file's keys)."""
+        return from_dict({**self.to_dict(flat=True), **changes})
+
+    def save(self, path: str | Path) -> None:
+        """Write the config as sectioned JSON (atomic)."""
+        from kit.io import write_json
+
+        write_json(path, self.to_dict())
+
+
+SECTIONS: dict[str, type] = {
+    f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)
+}
+
+
+@cache
+def _field_index() -> dict[str, tuple[str, dataclasses.Field]]:
+    index: dict[str, tuple[str, dataclasses.Field]] = {}
+    for sec, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = (sec, f)
+    return index
+
+
+def field_section(name: str) -> str:
+    """The section that holds field `name`."""
+    try:
+        return _field_index()[name][0]
+    except KeyError:
+        raise ConfigError(_unknown(name, list(_field_index()))) from None
+
+
+@cache
+def field_docs() -> dict[str, str]:
+    """Field name → its docstring, read from this module's source."""
+    docs: dict[str, str] = {}
+    for cls in SECTIONS.values():
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:], strict=False):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+            ):
+                docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+def _unknown(key: str, valid: list[str], where: str = "") -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown config key '{key}'{where}{hint}"
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1] if len(errors) == 1 else f"{key}: {value!r} has the wrong type")
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key}: {value!r} is not one of {choices}{hint}")
+        return value
+    if origin is list:
+        (inner,) = args
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            value = [value]  # a single prompt or seed stands for a list of one
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(f"{key}[{i}]", v, inner) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
+    """Merge sectioned and flat keys into one flat dict, refusing unknown and doubled keys."""
+    index = _field_index()
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            names = [f.name for f in dataclasses.fields(SECTIONS[key])]
+            for sub, v in value.items():
+                if sub not in names:
+                    if sub in index:
+                        raise ConfigError(
+                            f"config key '{sub}' belongs in section '{index[sub][0]}', not '{key}'"
+                        )
+                    raise ConfigError(_unknown(sub, names, f" in section '{key}'"))
+                if sub in flat:
+                    raise ConfigError(f"config key '{sub}' is given twice")
+                flat[sub] = v
+        elif key in index:
+            if key in flat:
+                raise ConfigError(f"config key '{key}' is given twice")
+            flat[key] = value
+        elif key.startswith("_") or key == "$schema":
+            continue  # comments such as "_comment" are allowed
+        else:
+            raise ConfigError(_unknown(key, list(index) + list(SECTIONS)))
+    return flat
+
+
+def from_dict(raw: dict[str, Any], base_dir: str | Path | None = None) -> Config:
+    """Build a checked Config from a flat or sectioned dict."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
+    flat = _flatten(raw)
+    index = _field_index()
+    hints = {sec: typing.get_type_hints(cls) for sec, cls in SECTIONS.items()}
+    per_section: dict[str, dict[str, Any]] = {sec: {} for sec in SECTIONS}
+    for key, value in flat.items():
+        sec, f = index[key]
+        value = _coerce(key, value, hints[sec][key])
+        if base_dir is not None and f.metadata.get("path") and value:
+            value = str(_resolve(value, base_dir))
+        per_section[sec][key] = value
+    if base_dir is not None and "pretrained_model" in flat:
+        per_section["model"]["pretrained_model"] = resolve_model_path(
+            flat["pretrained_model"], base_dir
+        )
+    return Config(**{sec: SECTIONS[sec](**vals) for sec, vals in per_section.items()})
+
+
+def _resolve(value: str, base_dir: str | Path) -> Path:
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (Path(base_dir) / p).resolve()
+
+
+def resolve_model_path(value: str, base_dir: str | Path) -> str:
+    """A local path (made absolute) when the value names one, else the hub id unchanged."""
+    looks_local = value.startswith((".", "/", "~")) or (Path(base_dir) / value).exists()
+    return str(_resolve(value, base_dir)) if looks_local else value
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a JSON (or YAML) config file; relative paths are taken from the file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"{path}: reading YAML needs pyyaml (pip install pyyaml)") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    else:
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
+    try:
+        raw = _flatten(raw) if isinstance(raw, dict) else raw
+        if overrides:
+            for key in overrides:
+                field_section(key)
+            raw = {**raw, **overrides}
+        return from_dict(raw, base_dir=path.parent)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse a command-line `key=value`; the value is JSON when it parses, else a string."""
+    if "=" not in text:
+        raise ConfigError(f"expected key=value, got '{text}'")
+    key, value = text.split("=", 1)
+    field_section(key.strip())
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def warn(msg: str) -> None:
+    """A warning the user should read (printed once, without a source line)."""
+    warnings.warn(msg, UserWarning, stacklevel=3)

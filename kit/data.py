@@ -1,0 +1,345 @@
+"""Images and captions → aspect buckets → cached latents and text embeddings → batches."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from safetensors.torch import load_file, save_file
+
+from kit.config import Config, DataConfig
+from kit.errors import DataError
+from kit.io import write_with
+
+IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
+_ORIENTATION_TAG = 274  # EXIF orientations 5-8 swap width and height
+
+
+@dataclass
+class Sample:
+    """One training image and its caption."""
+
+    image: Path
+    caption: str
+    width: int
+    height: int
+
+
+@dataclass
+class ScanReport:
+    """What a dataset folder holds, and what is wrong with it."""
+
+    samples: list[Sample] = field(default_factory=list)
+    missing_captions: list[Path] = field(default_factory=list)
+    orphan_captions: list[Path] = field(default_factory=list)
+    empty_captions: list[Path] = field(default_factory=list)
+    unreadable: list[tuple[Path, str]] = field(default_factory=list)
+    duplicate_stems: list[str] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        """One line per problem that stops training."""
+        out = []
+        if self.unreadable:
+            path, why = self.unreadable[0]
+            more = f" (and {len(self.unreadable) - 1} more)" if len(self.unreadable) > 1 else ""
+            out.append(f"unreadable image {path}: {why}{more}")
+        if self.missing_captions:
+            names = ", ".join(str(p) for p in self.missing_captions[:3])
+            more = f" and {len(self.missing_captions) - 3} more" if len(self.missing_captions) > 3 else ""
+            out.append(f"{len(self.missing_captions)} image(s) have no caption file: {names}{more}")
+        if self.duplicate_stems:
+            out.append(
+                "images share a name but differ in extension, so a caption is ambiguous: "
+                + ", ".join(self.duplicate_stems[:3])
+            )
+        return out
+
+
+def _caption_path(image: Path, cfg: DataConfig) -> Path:
+    folder = Path(cfg.caption_dir) if cfg.caption_dir else image.parent
+    if cfg.caption_dir:
+        folder = folder / image.parent.relative_to(Path(cfg.image_dir))
+    return folder / (image.stem + cfg.caption_extension)
+
+
+def list_images(image_dir: Path) -> list[Path]:
+    """Image files under a folder (recursively, skipping hidden folders), sorted."""
+    return sorted(
+        p
+        for p in image_dir.rglob("*")
+        if p.suffix.lower() in IMAGE_EXTS
+        and p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(image_dir).parts)
+    )
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """Width and height as displayed (after EXIF rotation), read without decoding pixels."""
+    with Image.open(path) as im:
+        w, h = im.size
+        if im.getexif().get(_ORIENTATION_TAG, 1) in (5, 6, 7, 8):
+            w, h = h, w
+    return w, h
+
+
+def scan(cfg: DataConfig) -> ScanReport:
+    """Read the dataset folder: images, their captions and every problem found."""
+    image_dir = Path(cfg.image_dir)
+    if not cfg.image_dir:
+        raise DataError("image_dir is not set in the config")
+    if not image_dir.is_dir():
+        raise DataError(f"image folder not found: {image_dir} (image_dir)")
+    if cfg.caption_dir and not Path(cfg.caption_dir).is_dir():
+        raise DataError(f"caption folder not found: {cfg.caption_dir} (caption_dir)")
+    report = ScanReport()
+    images = list_images(image_dir)
+    stems = Counter(p.with_suffix("") for p in images)
+    report.duplicate_stems = sorted(str(s) for s, n in stems.items() if n > 1)
+    used_captions = set()
+    for path in images:
+        try:
+            w, h = image_size(path)
+        except (UnidentifiedImageError, OSError, SyntaxError) as e:
+            report.unreadable.append((path, str(e) or type(e).__name__))
+            continue
+        if cfg.caption_strategy == "filename":
+            caption = path.stem.replace("_", " ").strip()
+        elif cfg.caption_strategy == "instanceprompt":
+            caption = cfg.instance_prompt
+        else:
+            cap = _caption_path(path, cfg)
+            if not cap.is_file():
+                report.missing_captions.append(path)
+                continue
+            used_captions.add(cap.resolve())
+            caption = cap.read_text(encoding="utf-8", errors="replace").strip()
+            if not caption:
+                report.empty_captions.append(cap)
+        report.samples.append(Sample(path, caption, w, h))
+    if cfg.caption_strategy == "textfile":
+        cap_root = Path(cfg.caption_dir) if cfg.caption_dir else image_dir
+        for cap in sorted(cap_root.rglob("*" + cfg.caption_extension)):
+            if cap.resolve() not in used_captions and not any(
+                part.startswith(".") for part in cap.relative_to(cap_root).parts
+            ):
+                report.orphan_captions.append(cap)
+    return report
+
+
+def load_samples(cfg: DataConfig) -> list[Sample]:
+    """The usable samples, or a DataError naming the first problem."""
+    report = scan(cfg)
+    problems = report.problems()
+    if problems:
+        raise DataError(problems[0])
+    if not report.samples:
+        raise DataError(f"no images found in {cfg.image_dir} (extensions: {sorted(IMAGE_EXTS)})")
+    return report.samples
+
+
+# ---------------------------------------------------------------- buckets
+
+
+def make_buckets(
+    resolution: int, resolution_type: str, step: int, max_aspect_ratio: float
+) -> list[tuple[int, int]]:
+    """(width, height) buckets, multiples of `step`, from square to `max_aspect_ratio`."""
+    out: set[tuple[int, int]] = set()
+    if resolution_type == "area":
+        area = resolution * resolution
+        for w in range(step, int(resolution * math.sqrt(max_aspect_ratio)) + step + 1, step):
+            h = max(step, round(area / w / step) * step)
+            if max(w / h, h / w) <= max_aspect_ratio + 1e-6:
+                out.add((w, h))
+                out.add((h, w))
+    else:
+        short = max(step, round(resolution / step) * step)
+        long = short
+        while long / short <= max_aspect_ratio + 1e-6:
+            out.add((long, short))
+            out.add((short, long))
+            long += step
+    return sorted(out, key=lambda wh: (wh[0] / wh[1], wh[0]))
+
+
+def assign_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is closest (in log space) to the image's."""
+    ar = math.log(width / height)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ar), -b[0] * b[1]))
+
+
+@dataclass
+class Placement:
+    """How one image is fitted to its bucket."""
+
+    bucket: tuple[int, int]
+    resized: tuple[int, int]
+    crop: tuple[int, int]
+    """(top, left) of the crop in the resized image."""
+    original: tuple[int, int]
+
+
+def place(sample: Sample, bucket: tuple[int, int], center: bool, seed: int) -> Placement:
+    """Resize to cover the bucket, then crop at the centre or a seeded offset."""
+    bw, bh = bucket
+    scale = max(bw / sample.width, bh / sample.height)
+    rw, rh = max(bw, math.ceil(sample.width * scale)), max(bh, math.ceil(sample.height * scale))
+    if center:
+        top, left = (rh - bh) // 2, (rw - bw) // 2
+    else:
+        rng = random.Random(f"{seed}-{sample.image.name}")
+        top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
+    return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height))
+
+
+def load_pixels(path: Path, placement: Placement) -> torch.Tensor:
+    """The image fitted to its bucket, as a (3, H, W) tensor in [-1, 1]."""
+    try:
+        with Image.open(path) as im:
+            im = ImageOps.exif_transpose(im).convert("RGB")
+            im = im.resize(placement.resized, Image.Resampling.LANCZOS)
+    except (UnidentifiedImageError, OSError) as e:
+        raise DataError(f"unreadable image {path}: {e}") from None
+    top, left = placement.crop
+    bw, bh = placement.bucket
+    im = im.crop((left, top, left + bw, top + bh))
+    arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
+
+
+@dataclass
+class BucketPlan:
+    """Every sample's bucket and crop."""
+
+    buckets: list[tuple[int, int]]
+    placements: list[Placement]
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        """Images per bucket."""
+        return dict(Counter(p.bucket for p in self.placements))
+
+
+def plan_buckets(samples: list[Sample], cfg: DataConfig, step: int, seed: int) -> BucketPlan:
+    """Assign each sample a bucket and crop."""
+    step = cfg.bucket_step or step
+    buckets = make_buckets(cfg.resolution, cfg.resolution_type, step, cfg.max_aspect_ratio)
+    placements = [
+        place(s, assign_bucket(s.width, s.height, buckets), cfg.center_crop, seed) for s in samples
+    ]
+    return BucketPlan(buckets, placements)
+
+
+def epoch_batches(plan: BucketPlan, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
+    """The batches of one epoch: shuffled within buckets, then in order; never mixing buckets."""
+    rng = random.Random(f"{seed}-epoch-{epoch}")
+    by_bucket: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, p in enumerate(plan.placements):
+        by_bucket[p.bucket].append(i)
+    batches = []
+    for bucket in sorted(by_bucket):
+        idx = by_bucket[bucket]
+        rng.shuffle(idx)
+        batches += [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+# ---------------------------------------------------------------- caches
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/kit`, else `~/.cache/kit`."""
+    import os
+
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kit"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+@dataclass
+class CachedDataset:
+    """Samples with their cache files; batches are read from disk on demand."""
+
+    samples: list[Sample]
+    plan: BucketPlan
+    latent_files: list[Path]
+    text_files: list[Path]
+    digests: list[str]
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def load_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """Stack the cached tensors of these samples."""
+        out: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for i in indices:
+            out["latents"].append(load_file(self.latent_files[i])["latents"])
+            for k, v in load_file(self.text_files[i]).items():
+                out[k].append(v)
+        return {k: torch.stack(v) for k, v in out.items()}
+
+    def manifest(self) -> list[dict[str, Any]]:
+        """Per-sample record of what was trained on (file, hash, caption, bucket, crop)."""
+        return [
+            {
+                "image": str(s.image),
+                "sha256": d,
+                "caption": s.caption,
+                **{k: list(v) for k, v in asdict(p).items()},
+            }
+            for s, p, d in zip(self.samples, self.plan.placements, self.digests, strict=True)
+        ]
+
+
+def build_cache(cfg: Config, family: Any, comps: Any, device: torch.device | str = "cpu") -> CachedDataset:
+    """Scan, bucket and encode the dataset, reusing cache entries made by earlier runs."""
+    samples = load_samples(cfg.data)
+    plan = plan_buckets(samples, cfg.data, family.bucket_step, cfg.train.seed)
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    latent_dir = root / "latents" / comps.identity["vae"]
+    text_dir = root / "text" / comps.identity["text"]
+    digests = [file_digest(s.image) for s in samples]
+    latent_files = [
+        latent_dir / f"{_key(d, asdict(p))}.safetensors"
+        for d, p in zip(digests, plan.placements, strict=True)
+    ]
+    text_files = [text_dir / f"{_key(s.caption)}.safetensors" for s in samples]
+    stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
+
+    for s, p, f in zip(samples, plan.placements, latent_files, strict=True):
+        if f.is_file():
+            stats["latents_reused"] += 1
+            continue
+        pixels = load_pixels(s.image, p).unsqueeze(0).to(device)
+        lat = family.encode_images(comps, pixels)[0].float().cpu().contiguous()
+        write_with(f, lambda tmp, lat=lat: save_file({"latents": lat}, str(tmp)))
+        stats["latents_encoded"] += 1
+    todo = sorted({s.caption for s, f in zip(samples, text_files, strict=True) if not f.is_file()})
+    stats["text_reused"] = len({s.caption for s in samples}) - len(todo)
+    for start in range(0, len(todo), 16):
+        chunk = todo[start : start + 16]
+        enc = family.encode_text(comps, chunk)
+        for j, caption in enumerate(chunk):
+            tensors = {k: v[j].float().cpu().contiguous() for k, v in enc.items()}
+            path = text_dir / f"{_key(caption)}.safetensors"
+            write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
+            stats["text_encoded"] += 1
+    return CachedDataset(samples, plan, latent_files, text_files, digests, stats)

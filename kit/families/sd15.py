@@ -1,0 +1,170 @@
+"""Stable Diffusion 1.x / 2.x layout: UNet, AutoencoderKL, one CLIP text encoder, epsilon or v."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit.families import register
+from kit.families.base import Components, Family, ddpm_noise_and_target, weights_identity
+
+
+@register
+class SD15(Family):
+    name = "sd15"
+    bucket_step = 64
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    kohya_prefix = "lora_unet"
+    base_model_version = "sd_v1"
+
+    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        kw: dict[str, Any] = {"revision": revision}
+        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
+        tokenizer = CLIPTokenizer.from_pretrained(pretrained, subfolder="tokenizer", **kw)
+        text_encoder = CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw)
+        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
+        scheduler = DDPMScheduler.from_pretrained(pretrained, subfolder="scheduler", **kw)
+        for m in (text_encoder, vae, unet):
+            m.requires_grad_(False)
+            m.eval()
+        identity = {
+            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
+            "text": weights_identity(
+                pretrained, "text_encoder", text_encoder.config.to_dict(), revision
+            ),
+        }
+        return Components(unet, vae, [text_encoder], [tokenizer], scheduler, pretrained, identity)
+
+    @torch.no_grad()
+    def encode_text(self, comps, captions):
+        tok = comps.tokenizers[0]
+        enc = comps.text_encoders[0]
+        ids = tok(
+            captions,
+            padding="max_length",
+            max_length=tok.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids.to(enc.device)
+        return {"prompt_embeds": enc(ids)[0]}
+
+    @torch.no_grad()
+    def encode_images(self, comps, pixels):
+        vae = comps.vae
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        # The mean, not a sample: the cache then holds one exact value per image.
+        return (dist.mean - shift) * vae.config.scaling_factor
+
+    def predict(self, comps, noisy, timesteps, cond):
+        return comps.denoiser(noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"]).sample
+
+    def noise_and_target(self, comps, latents, generator):
+        return ddpm_noise_and_target(comps.noise_scheduler, latents, generator)
+
+    def pipeline(self, comps):
+        from diffusers import StableDiffusionPipeline
+
+        scheduler = _sampling_scheduler(comps.source)
+        return StableDiffusionPipeline(
+            vae=comps.vae,
+            text_encoder=comps.text_encoders[0],
+            tokenizer=comps.tokenizers[0],
+            unet=comps.denoiser,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    def make_tiny(self, out_dir, seed=0):
+        from diffusers import (
+            AutoencoderKL,
+            DDIMScheduler,
+            StableDiffusionPipeline,
+            UNet2DConditionModel,
+        )
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+        from kit.io import atomic_dir
+        from kit.tiny import write_clip_tokenizer_files
+
+        torch.manual_seed(seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            vocab_size = write_clip_tokenizer_files(tmp)
+            tokenizer = CLIPTokenizer.from_pretrained(tmp, model_max_length=77)
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=vocab_size,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=77,
+                projection_dim=32,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(16, 32, 32, 32),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=16,
+            sample_size=128,
+        )
+        unet = UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+            up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            cross_attention_dim=32,
+            attention_head_dim=8,
+            norm_num_groups=32,
+        )
+        scheduler = DDIMScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            clip_sample=False,
+            set_alpha_to_one=False,
+            steps_offset=1,
+            prediction_type="epsilon",
+        )
+        pipe = StableDiffusionPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        with atomic_dir(out_dir) as tmp_dir:
+            pipe.save_pretrained(tmp_dir, safe_serialization=True)
+        return Path(out_dir)
+
+
+def _sampling_scheduler(source: str) -> Any:
+    """The sampler saved with the base model (what plain diffusers would use)."""
+    import diffusers
+
+    config = diffusers.DDIMScheduler.load_config(source, subfolder="scheduler")
+    cls = getattr(diffusers, config.get("_class_name", ""), diffusers.DDIMScheduler)
+    return cls.from_config(config)

@@ -1,0 +1,69 @@
+"""The layout of a run folder, shared by training, validation, export and the notebooks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kit.errors import KitError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run folder."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "dataset_manifest.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "logs" / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def validation(self) -> Path:
+        return self.root / "validation"
+
+    @property
+    def exports(self) -> Path:
+        return self.root / "exports"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    def validation_step(self, step: int) -> Path:
+        """Folder of the validation images drawn at `step`."""
+        return self.validation / f"step-{step:06d}"
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Every logged row of the metrics file."""
+        if not self.metrics.is_file():
+            return []
+        rows = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+        return rows
+
+
+def open_run(path: str | Path) -> RunDir:
+    """A run folder that training has written, or a clear error."""
+    run = RunDir(Path(path))
+    if not run.config.is_file():
+        raise KitError(f"not a run folder (no config.json): {path}")
+    return run

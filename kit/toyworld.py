@@ -1,0 +1,221 @@
+"""A procedural toy world of simple shapes with exact captions, and its example dataset."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import os
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 70),
+    "blue": (40, 90, 230),
+    "yellow": (240, 210, 30),
+    "purple": (140, 60, 190),
+    "orange": (245, 130, 20),
+}
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "white": (255, 255, 255),
+    "black": (0, 0, 0),
+    "gray": (128, 128, 128),
+}
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+CONCEPT_SHAPES: tuple[str, ...] = ("zorbstar",)
+SIZES: tuple[str, ...] = ("small", "large")
+POSITIONS: tuple[str, ...] = ("left", "center", "right")
+
+TRIGGER_WORD = "zorbstar"
+EXAMPLE_SIZES: tuple[tuple[int, int], ...] = (
+    (128, 128),
+    (192, 128),
+    (128, 192),
+    (160, 128),
+    (128, 160),
+)
+
+_SIZE_FRACTION = {"small": 0.35, "large": 0.65}
+_MARGIN_FRACTION = 0.06
+_POSITION_PHRASE = {"left": "on the left", "center": "in the center", "right": "on the right"}
+_SUPERSAMPLE = 4
+
+
+@dataclass(frozen=True)
+class Scene:
+    """One toy image: a single filled shape on a plain background."""
+
+    color: str
+    shape: str
+    size: str
+    background: str
+    position: str
+
+    def __post_init__(self) -> None:
+        _check("color", self.color, tuple(COLORS))
+        _check("shape", self.shape, SHAPES + CONCEPT_SHAPES)
+        _check("size", self.size, SIZES)
+        _check("background", self.background, tuple(BACKGROUNDS))
+        _check("position", self.position, POSITIONS)
+
+
+def _check(field: str, value: str, allowed: Sequence[str]) -> None:
+    """Raise ValueError naming the field and the allowed values when value is not one of them."""
+    if value not in allowed:
+        raise ValueError(f"unknown {field} {value!r}; expected one of {', '.join(allowed)}")
+
+
+def caption(scene: Scene) -> str:
+    """Exact caption, e.g. 'a large red circle on a white background, on the left'."""
+    # Every size word starts with a consonant, so the article is always "a".
+    return (
+        f"a {scene.size} {scene.color} {scene.shape} on a {scene.background} background, "
+        f"{_POSITION_PHRASE[scene.position]}"
+    )
+
+
+def shape_box(scene: Scene, width: int, height: int) -> tuple[float, float, float, float]:
+    """Bounding box (left, top, right, bottom) of the shape in pixels of a width x height image."""
+    short = min(width, height)
+    side = _SIZE_FRACTION[scene.size] * short
+    margin = _MARGIN_FRACTION * short
+    # Positions are horizontal in every aspect ratio, so a caption never depends on image size.
+    cx = {
+        "left": margin + side / 2,
+        "center": width / 2,
+        "right": width - margin - side / 2,
+    }[scene.position]
+    cy = height / 2
+    return (cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2)
+
+
+def _star(cx: float, cy: float, outer: float) -> list[tuple[float, float]]:
+    """Vertices of a regular five-pointed star, point up."""
+    # Inner/outer radius ratio of a regular pentagram, so its edges line up point to point.
+    inner = outer * math.sin(math.radians(18)) / math.sin(math.radians(126))
+    points = []
+    for i in range(10):
+        radius = outer if i % 2 == 0 else inner
+        angle = math.radians(-90 + 36 * i)
+        points.append((cx + radius * math.cos(angle), cy + radius * math.sin(angle)))
+    return points
+
+
+def render(scene: Scene, width: int, height: int) -> Image.Image:
+    """Draw the scene as an RGB image of width x height; the same arguments give identical pixels."""
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    k = _SUPERSAMPLE
+    image = Image.new("RGB", (width * k, height * k), BACKGROUNDS[scene.background])
+    draw = ImageDraw.Draw(image)
+    left, top, right, bottom = (v * k for v in shape_box(scene, width, height))
+    fill = COLORS[scene.color]
+    if scene.shape == "circle":
+        draw.ellipse((left, top, right, bottom), fill=fill)
+    elif scene.shape == "square":
+        draw.rectangle((left, top, right, bottom), fill=fill)
+    elif scene.shape == "triangle":
+        draw.polygon([((left + right) / 2, top), (right, bottom), (left, bottom)], fill=fill)
+    else:
+        outer = (right - left) / 2
+        # The star reaches cos(36°) of its radius below its centre, so lower it to fill the box evenly.
+        cy = (top + bottom) / 2 + outer * (1 - math.cos(math.radians(36))) / 2
+        draw.polygon(_star((left + right) / 2, cy, outer), fill=fill)
+    # A box filter rather than LANCZOS: edge pixels become exact coverage blends of the two
+    # colours, with no ringing halo of colours that exist nowhere else in the world.
+    return image.reduce(k)
+
+
+def _balanced(values: Sequence[str], n: int, rng: random.Random) -> list[str]:
+    """n values where every value appears equally often (within one), in shuffled order."""
+    out: list[str] = []
+    while len(out) < n:
+        cycle = list(values)
+        rng.shuffle(cycle)
+        out.extend(cycle)
+    out = out[:n]
+    rng.shuffle(out)
+    return out
+
+
+def sample_scenes(
+    n: int,
+    seed: int,
+    *,
+    colors: Sequence[str] = tuple(COLORS),
+    shapes: Sequence[str] = SHAPES,
+    sizes: Sequence[str] = SIZES,
+    backgrounds: Sequence[str] = tuple(BACKGROUNDS),
+    positions: Sequence[str] = POSITIONS,
+) -> list[Scene]:
+    """n seeded scenes; each attribute is balanced on its own and shuffled independently."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    for name, values in (
+        ("colors", colors),
+        ("shapes", shapes),
+        ("sizes", sizes),
+        ("backgrounds", backgrounds),
+        ("positions", positions),
+    ):
+        if not values:
+            raise ValueError(f"{name} must not be empty")
+    rng = random.Random(seed)
+    columns = [_balanced(v, n, rng) for v in (colors, shapes, sizes, backgrounds, positions)]
+    return [
+        Scene(color=c, shape=sh, size=si, background=b, position=p)
+        for c, sh, si, b, p in zip(*columns, strict=True)
+    ]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write data to path through a temporary file in the same folder, then rename over it."""
+    # Not tempfile.mkstemp: its files are private (0600) and would stay so after the rename.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_example_dataset(
+    out_dir: str | os.PathLike[str], n: int = 24, seed: int = 0
+) -> list[Path]:
+    """Write n zorbstar images (PNG) with same-stem .txt captions in mixed aspect ratios."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, scene in enumerate(sample_scenes(n, seed, shapes=CONCEPT_SHAPES)):
+        width, height = EXAMPLE_SIZES[i % len(EXAMPLE_SIZES)]
+        buffer = io.BytesIO()
+        render(scene, width, height).save(buffer, format="PNG", optimize=True)
+        image_path = out / f"{TRIGGER_WORD}_{i:03d}.png"
+        _write_atomic(image_path, buffer.getvalue())
+        _write_atomic(image_path.with_suffix(".txt"), (caption(scene) + "\n").encode())
+        paths.append(image_path)
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: write the example dataset into a folder."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kit.toyworld", description=write_example_dataset.__doc__
+    )
+    parser.add_argument("out_dir", help="folder for the images and captions")
+    parser.add_argument("--n", type=int, default=24, help="number of images")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    args = parser.parse_args(argv)
+    paths = write_example_dataset(args.out_dir, n=args.n, seed=args.seed)
+    print(f"wrote {len(paths)} images with captions to {args.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""The training loop: cached data, an adapted denoiser, accelerate, checkpoints, validation."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit import checkpoint as ckpt
+from kit.config import Config
+from kit.data import CachedDataset, build_cache, epoch_batches
+from kit.errors import KitError
+from kit.families import Components, Family, get_family
+from kit.io import write_text
+from kit.network import (
+    adapter_state_dict,
+    attach,
+    load_adapter_state_dict,
+    trainable_parameters,
+)
+from kit.runs import RunDir
+from kit.validate import default_prompts, image_specs, run_validation
+
+Callback = Callable[[dict[str, Any]], None]
+
+# Settings that change the sequence of updates: a resume with other values is not exact.
+EXACTNESS_KEYS = ("train_batch_size", "gradient_accumulation_steps", "seed", "resolution")
+
+
+@dataclass
+class TrainResult:
+    """Where a run ended and what it wrote."""
+
+    run_dir: Path
+    step: int
+    checkpoint: Path | None
+    interrupted: bool = False
+    validation_grids: list[Path] = field(default_factory=list)
+
+
+def resolve_precision(requested: str) -> str:
+    """The mixed precision this machine can run: the request, or fp32 with a warning."""
+    if requested == "no":
+        return "no"
+    if not torch.cuda.is_available():
+        warnings.warn(
+            f"mixed_precision={requested!r} needs a CUDA GPU; none found, training in fp32",
+            stacklevel=2,
+        )
+        return "no"
+    if requested == "bf16" and not torch.cuda.is_bf16_supported():
+        warnings.warn("this GPU lacks bf16; training in fp32 (try mixed_precision=fp16)", stacklevel=2)
+        return "no"
+    return requested
+
+
+def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, Components]:
+    """The configured family and its loaded base model."""
+    family = get_family(cfg.model.model_family)
+    try:
+        comps = family.load(
+            cfg.model.pretrained_model,
+            revision=cfg.model.revision,
+            variant=cfg.model.variant,
+            dtype=dtype,
+        )
+    except (OSError, ValueError) as e:
+        raise KitError(f"cannot load pretrained_model '{cfg.model.pretrained_model}': {e}") from None
+    return family, comps
+
+
+def train(
+    cfg: Config,
+    *,
+    resume: str | None = None,
+    force: bool = False,
+    overwrite: bool = False,
+    callbacks: list[Callback] | tuple[Callback, ...] = (),
+) -> TrainResult:
+    """Train the configured network; `resume="latest"` continues the newest checkpoint."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+    from diffusers.optimization import get_scheduler
+
+    t = cfg.train
+    run = RunDir(Path(t.output_dir))
+    precision = resolve_precision(t.mixed_precision)
+    accelerator = Accelerator(
+        mixed_precision=precision,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        log_with=None if t.report_to == "none" else t.report_to,
+        project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.logs)),
+    )
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
+
+    resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
+    _prepare_run_dir(run, resume, overwrite, accelerator.is_main_process)
+    torch.manual_seed(t.seed)  # adapter initialisation
+    family, comps = load_base(cfg)
+    for m in comps.frozen_modules():
+        m.to(accelerator.device, dtype=weight_dtype)
+    data = build_cache(cfg, family, comps, accelerator.device)
+    _check_resume(run, cfg, data, resume_from, force)
+
+    summary = attach(cfg, family, comps)
+    unet = comps.denoiser
+    for p in trainable_parameters(unet):
+        p.data = p.data.float()  # adapters train in fp32 whatever the base's dtype
+    if t.gradient_checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    params = list(trainable_parameters(unet))
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=t.learning_rate,
+        betas=(t.adam_beta1, t.adam_beta2),
+        weight_decay=t.adam_weight_decay,
+        eps=t.adam_epsilon,
+    )
+    n = accelerator.num_processes  # accelerate steps the schedule once per process
+    lr_scheduler = get_scheduler(
+        t.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=t.lr_warmup_steps * n,
+        num_training_steps=t.max_train_steps * n,
+    )
+    unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
+    comps.denoiser = unet  # the family calls whatever accelerate wrapped
+    generator = torch.Generator().manual_seed(t.seed)
+
+    step, epoch, position = 0, 0, 0
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from)
+        load_adapter_state_dict(accelerator.unwrap_model(unet), state["adapter"])
+        optimizer.load_state_dict(state["optimizer"])
+        lr_scheduler.load_state_dict(state["scheduler"])
+        ckpt.set_rng_state(state["rng"], generator)
+        step, epoch, position = (state["progress"][k] for k in ("step", "epoch", "position"))
+        if accelerator.is_main_process:
+            _truncate_metrics(run, step)
+        accelerator.print(f"resumed from {resume_from} at step {step}")
+    elif resume == "latest":
+        accelerator.print("no checkpoint to resume from; starting at step 0")
+
+    if accelerator.is_main_process:
+        run.root.mkdir(parents=True, exist_ok=True)
+        cfg.save(run.config)
+        (run.manifest).write_text(json.dumps(data.manifest(), indent=1))
+        run.logs.mkdir(parents=True, exist_ok=True)
+    if accelerator.log_with:
+        accelerator.init_trackers("kit", config=_scalar_config(cfg))
+
+    prompts = default_prompts(cfg, [s.caption for s in data.samples])
+    emit = _emitter(callbacks)
+    emit(kind="start", step=step, max_steps=t.max_train_steps, network=summary, data=data.stats)
+
+    def save(at_step: int) -> Path:
+        progress = {"step": at_step, "epoch": epoch, "position": position, **_fingerprint(cfg, data)}
+        path = ckpt.save_checkpoint(
+            run.root,
+            at_step,
+            adapter_state_dict(accelerator.unwrap_model(unet)),
+            optimizer,
+            lr_scheduler,
+            generator,
+            progress,
+            keep=t.checkpoints_total_limit,
+        )
+        emit(kind="checkpoint", step=at_step, path=path)
+        return path
+
+    def validate(at_step: int) -> Path:
+        pipe = family.pipeline(comps)
+        pipe.unet = accelerator.unwrap_model(unet)
+        unet.eval()
+        with accelerator.autocast():
+            grid = run_validation(
+                pipe,
+                image_specs(cfg, prompts),
+                run.validation_step(at_step),
+                cols=len(cfg.validation.validation_seeds),
+                meta={"base_model": cfg.model.pretrained_model, "step": at_step},
+            )
+        unet.train()
+        emit(kind="validation", step=at_step, grid=grid)
+        return grid
+
+    result = TrainResult(run.root, step, resume_from)
+    progress_bar = _progress(accelerator, step, t.max_train_steps)
+    micro_losses: list[float] = []
+    started = time.perf_counter()
+    try:
+        while step < t.max_train_steps:
+            batches = epoch_batches(data.plan, t.train_batch_size, t.seed, epoch)
+            while position < len(batches) and step < t.max_train_steps:
+                batch = data.load_batch(batches[position])
+                position += 1
+                with accelerator.accumulate(unet):
+                    loss = _loss(family, comps, batch, generator, accelerator.device)
+                    accelerator.backward(loss)
+                    grad_norm = None
+                    if accelerator.sync_gradients:
+                        clip = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
+                        grad_norm = float(accelerator.clip_grad_norm_(params, clip))
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                micro_losses.append(loss.detach().float().item())
+                if not accelerator.sync_gradients:
+                    continue
+                step += 1
+                loss_value = sum(micro_losses) / len(micro_losses)
+                micro_losses.clear()
+                if not math.isfinite(loss_value):
+                    raise KitError(
+                        f"loss became {loss_value} at step {step}; lower learning_rate "
+                        f"or use mixed_precision=bf16/fp32 (now {precision})"
+                    )
+                row = {
+                    "step": step,
+                    "epoch": epoch,
+                    "loss": loss_value,
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "time": round(time.perf_counter() - started, 3),
+                }
+                if step % t.logging_steps == 0 or step == t.max_train_steps:
+                    _log(accelerator, run, row)
+                progress_bar.update(1)
+                progress_bar.set_postfix(loss=f"{loss_value:.4f}")
+                emit(kind="step", **row)
+                last = step == t.max_train_steps
+                if t.checkpointing_steps and step % t.checkpointing_steps == 0 and not last:
+                    result.checkpoint = save(step) if accelerator.is_main_process else None
+                v_every = cfg.validation.validation_steps
+                if accelerator.is_main_process and (last or (v_every and step % v_every == 0)):
+                    result.validation_grids.append(validate(step))
+            if position >= len(batches):
+                epoch, position = epoch + 1, 0
+        if accelerator.is_main_process:
+            result.checkpoint = save(step)
+    except KeyboardInterrupt:
+        # Stopped by the user: keep what was learned, then stop cleanly.
+        if accelerator.is_main_process and step > 0 and not micro_losses:
+            result.checkpoint = save(step)
+        result.interrupted = True
+        accelerator.print(f"interrupted at step {step}; checkpoint: {result.checkpoint}")
+    finally:
+        progress_bar.close()
+        accelerator.end_training()
+    result.step = step
+    if accelerator.is_main_process:
+        from kit.plots import plot_metrics
+
+        plot_metrics(run.read_metrics(), run.loss_plot)
+    emit(kind="end", step=step, result=result)
+    return result
+
+
+def _loss(
+    family: Family,
+    comps: Components,
+    batch: dict[str, torch.Tensor],
+    generator: torch.Generator,
+    device: torch.device,
+) -> torch.Tensor:
+    """The denoising loss of one batch."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    latents = batch.pop("latents")
+    noisy, timesteps, target = family.noise_and_target(comps, latents, generator)
+    pred = family.predict(comps, noisy, timesteps, batch)
+    return torch.nn.functional.mse_loss(pred.float(), target.float())
+
+
+def _fingerprint(cfg: Config, data: CachedDataset) -> dict[str, Any]:
+    """What a resume must find unchanged to continue exactly."""
+    return {
+        "settings": {k: cfg.get(k) for k in EXACTNESS_KEYS},
+        "dataset": sorted(data.digests),
+    }
+
+
+def _check_resume(
+    run: RunDir, cfg: Config, data: CachedDataset, resume_from: Path | None, force: bool
+) -> None:
+    if resume_from is None:
+        return
+    saved = json.loads((resume_from / "progress.json").read_text())
+    now = _fingerprint(cfg, data)
+    changes = [
+        f"{k}: {saved['settings'].get(k)!r} → {v!r}"
+        for k, v in now["settings"].items()
+        if saved["settings"].get(k) != v
+    ]
+    if saved.get("dataset") != now["dataset"]:
+        before, after = set(saved.get("dataset", [])), set(now["dataset"])
+        changes.append(f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed")
+    if changes and not force:
+        raise KitError(
+            f"cannot resume {resume_from} exactly; changed since it was saved: "
+            + "; ".join(changes)
+            + " (pass --force to resume anyway)"
+        )
+    if changes:
+        warnings.warn("resuming despite changes: " + "; ".join(changes), stacklevel=2)
+
+
+def _prepare_run_dir(run: RunDir, resume: str | None, overwrite: bool, main: bool) -> None:
+    """Refuse to mix a new run into an old one's folder unless asked to replace it."""
+    if resume or not main:
+        return
+    old = [p for p in (run.root / "checkpoints", run.metrics, run.validation) if p.exists()]
+    if old and not overwrite:
+        raise KitError(
+            f"{run.root} already holds a run; resume it (--resume latest), "
+            "choose another output_dir, or pass --overwrite to replace it"
+        )
+    for p in old:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+def _truncate_metrics(run: RunDir, step: int) -> None:
+    """Drop logged rows past the resumed step: those steps are trained again."""
+    rows = [r for r in run.read_metrics() if r.get("step", 0) <= step]
+    write_text(run.metrics, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _scalar_config(cfg: Config) -> dict[str, Any]:
+    """The flat config with lists as strings (trackers take scalars only)."""
+    out = {}
+    for k, v in cfg.to_dict(flat=True).items():
+        out[k] = v if isinstance(v, int | float | str | bool) else json.dumps(v)
+    return out
+
+
+def _log(accelerator: Any, run: RunDir, row: dict[str, Any]) -> None:
+    if not accelerator.is_main_process:
+        return
+    with open(run.metrics, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    if accelerator.log_with:
+        scalars = {k: v for k, v in row.items() if isinstance(v, int | float) and k != "step"}
+        accelerator.log(scalars, step=row["step"])
+
+
+def _progress(accelerator: Any, start: int, total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(
+        total=total,
+        initial=start,
+        desc="train",
+        unit="step",
+        disable=not accelerator.is_local_main_process,
+        dynamic_ncols=True,
+    )
+
+
+def _emitter(callbacks: list[Callback] | tuple[Callback, ...]) -> Callable[..., None]:
+    def emit(**event: Any) -> None:
+        for cb in callbacks:
+            cb(event)
+
+    return emit

@@ -1,0 +1,132 @@
+"""Validation images: fixed prompts and seeds, a grid per step, a JSON sidecar per image."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image, ImageDraw
+
+from kit.config import Config
+from kit.io import write_json, write_with
+
+
+@dataclass
+class ImageSpec:
+    """Everything plain diffusers needs to draw the same image again."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    adapter_scale: float = 1.0
+    generator_device: str = "cpu"
+
+
+def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
+    """The configured prompts, else the first few distinct training captions."""
+    if cfg.validation.validation_prompt:
+        return list(cfg.validation.validation_prompt)
+    seen: list[str] = []
+    for c in captions:
+        if c and c not in seen:
+            seen.append(c)
+        if len(seen) == n:
+            break
+    return seen or ["a photo"]
+
+
+def image_specs(cfg: Config, prompts: list[str], adapter_scale: float = 1.0) -> list[ImageSpec]:
+    """One spec per prompt and seed, prompts as rows."""
+    v = cfg.validation
+    side = v.validation_resolution or cfg.data.resolution
+    return [
+        ImageSpec(
+            prompt=p,
+            negative_prompt=v.validation_negative_prompt,
+            seed=s,
+            num_inference_steps=v.validation_num_inference_steps,
+            guidance_scale=v.validation_guidance_scale,
+            width=side,
+            height=side,
+            adapter_scale=adapter_scale,
+        )
+        for p in prompts
+        for s in v.validation_seeds
+    ]
+
+
+@torch.no_grad()
+def generate(pipe: Any, spec: ImageSpec) -> Image.Image:
+    """Draw one image from a spec with a diffusers pipeline."""
+    generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+    kwargs: dict[str, Any] = {}
+    if spec.adapter_scale != 1.0:
+        kwargs["cross_attention_kwargs"] = {"scale": spec.adapter_scale}
+    return pipe(
+        prompt=spec.prompt,
+        negative_prompt=spec.negative_prompt or None,
+        num_inference_steps=spec.num_inference_steps,
+        guidance_scale=spec.guidance_scale,
+        width=spec.width,
+        height=spec.height,
+        generator=generator,
+        **kwargs,
+    ).images[0]
+
+
+def make_grid(images: list[Image.Image], cols: int, labels: list[str] | None = None) -> Image.Image:
+    """Images in rows of `cols`, each row under its label."""
+    w, h = images[0].size
+    rows = (len(images) + cols - 1) // cols
+    label_h = 14 if labels else 0
+    grid = Image.new("RGB", (cols * w, rows * (h + label_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, im in enumerate(images):
+        r, c = divmod(i, cols)
+        y = r * (h + label_h)
+        if labels and c == 0:
+            draw.text((2, y + 1), labels[r][: max(8, cols * w // 6)], fill="black")
+        grid.paste(im, (c * w, y + label_h))
+    return grid
+
+
+def run_validation(
+    pipe: Any,
+    specs: list[ImageSpec],
+    out_dir: Path,
+    cols: int,
+    meta: dict[str, Any],
+) -> Path:
+    """Draw every spec, save images with sidecars and a grid; return the grid's path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pipe.set_progress_bar_config(disable=True)
+    images = []
+    scheduler = {"class": type(pipe.scheduler).__name__, "config": dict(pipe.scheduler.config)}
+    for i, spec in enumerate(specs):
+        im = generate(pipe, spec)
+        images.append(im)
+        stem = f"{i // cols:02d}_seed{spec.seed}"
+        write_with(out_dir / f"{stem}.png", lambda tmp, im=im: im.save(tmp, format="PNG"))
+        write_json(
+            out_dir / f"{stem}.json",
+            {**asdict(spec), "pipeline": type(pipe).__name__, "scheduler": scheduler, **meta},
+        )
+    grid = make_grid(images, cols, [s.prompt for s in specs[::cols]])
+    path = out_dir / "grid.png"
+    write_with(path, lambda tmp: grid.save(tmp, format="PNG"))
+    return path
+
+
+def read_sidecar(path: str | Path) -> tuple[ImageSpec, dict[str, Any]]:
+    """A sidecar JSON back as its spec plus the rest of its record."""
+    record = json.loads(Path(path).read_text())
+    fields = ImageSpec.__dataclass_fields__
+    return ImageSpec(**{k: record[k] for k in fields if k in record}), record
