@@ -119,7 +119,8 @@ def run_validation(
             out_dir / f"{stem}.json",
             {**asdict(spec), "pipeline": type(pipe).__name__, "scheduler": scheduler, **meta},
         )
-    grid = make_grid(images, cols, [s.prompt for s in specs[::cols]])
+    labels = [f"[scale {s.adapter_scale:g}] {s.prompt}" for s in specs[::cols]]
+    grid = make_grid(images, cols, labels)
     path = out_dir / "grid.png"
     write_with(path, lambda tmp: grid.save(tmp, format="PNG"))
     return path
@@ -130,3 +131,41 @@ def read_sidecar(path: str | Path) -> tuple[ImageSpec, dict[str, Any]]:
     record = json.loads(Path(path).read_text())
     fields = ImageSpec.__dataclass_fields__
     return ImageSpec(**{k: record[k] for k in fields if k in record}), record
+
+
+def draw_checkpoint(
+    run_dir: str | Path,
+    checkpoint: str | Path | None = None,
+    scales: tuple[float, ...] | list[float] = (1.0,),
+    prompts: list[str] | None = None,
+) -> Path:
+    """Draw a checkpoint's validation images at each adapter scale (0 = the base model alone).
+
+    Writes `validation/<checkpoint>-scales/`; rows are prompt × scale, columns are seeds.
+    """
+    from kit import checkpoint as ckpt
+    from kit.config import load_config
+    from kit.errors import KitError
+    from kit.network import attach, load_adapter_state_dict
+    from kit.runs import open_run
+    from kit.train import load_base
+
+    run = open_run(run_dir)
+    cfg = load_config(run.config)
+    source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
+    if source is None:
+        raise KitError(f"{run.root} has no complete checkpoint")
+    family, comps = load_base(cfg)
+    attach(cfg, family, comps)
+    load_adapter_state_dict(comps.denoiser, ckpt.load_checkpoint(source)["adapter"])
+    if prompts is None:
+        captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
+        prompts = default_prompts(cfg, captions)
+    specs = [s for p in prompts for scale in scales for s in image_specs(cfg, [p], scale)]
+    return run_validation(
+        family.pipeline(comps),
+        specs,
+        run.validation / f"{source.name}-scales",
+        cols=len(cfg.validation.validation_seeds),
+        meta={"base_model": cfg.model.pretrained_model, "checkpoint": str(source)},
+    )

@@ -44,6 +44,12 @@ class Family(ABC):
     """Key prefix of denoiser weights in the kohya / A1111 naming."""
     base_model_version: str = ""
     """`ss_base_model_version` written into kohya metadata."""
+    modelspec_architecture: str = ""
+    """`modelspec.architecture` written into kohya metadata."""
+    pipeline_class: str = "StableDiffusionPipeline"
+    """The diffusers pipeline class that samples this family (and saves its LoRA files)."""
+    pipeline_kwargs: dict[str, Any] = {}
+    """Extra `from_pretrained` arguments for that pipeline."""
 
     @abstractmethod
     def load(
@@ -88,8 +94,45 @@ class Family(ABC):
         """A diffusers pipeline that samples with these parts."""
 
     @abstractmethod
+    def empty_parts(self, pretrained: str) -> dict[str, nn.Module]:
+        """The parts built from their configs on the meta device: shapes only, no weights."""
+
+    @abstractmethod
+    def denoiser_inputs(
+        self, parts: dict[str, nn.Module], batch: int, height: int, width: int
+    ) -> tuple[tuple, dict[str, Any]]:
+        """Meta-device arguments for one denoiser forward at this image size."""
+
+    @abstractmethod
     def make_tiny(self, out_dir: str | Path, seed: int = 0) -> Path:
         """Write a tiny random-init copy of this architecture in diffusers layout."""
+
+    def save_diffusers_lora(
+        self, state: dict[str, torch.Tensor], adapter_config: dict[str, Any], out_dir: Path
+    ) -> Path:
+        """Write `pytorch_lora_weights.safetensors` as the family's pipeline saves it."""
+        import diffusers
+        from diffusers.utils import convert_state_dict_to_diffusers
+
+        cls = getattr(diffusers, self.pipeline_class)
+        cls.save_lora_weights(
+            out_dir,
+            unet_lora_layers=convert_state_dict_to_diffusers(state),
+            unet_lora_adapter_metadata=adapter_config,
+            safe_serialization=True,
+        )
+        return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    def kohya_state_dict(self, state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+        """Adapter weights in the kohya naming that A1111, Forge and ComfyUI load."""
+        from diffusers.utils import convert_state_dict_to_kohya
+
+        out = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in state.items()})
+        out = {k.replace("lora_unet", self.kohya_prefix, 1): v for k, v in out.items()}
+        for k in out:
+            if k.endswith(".alpha"):
+                out[k] = torch.tensor(float(alpha))
+        return out
 
     def token_counts(self, comps: Components, captions: list[str]) -> list[dict[str, int]]:
         """Tokens per caption and tokenizer, with each tokenizer's limit."""

@@ -19,6 +19,9 @@ class SD15(Family):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     kohya_prefix = "lora_unet"
     base_model_version = "sd_v1"
+    modelspec_architecture = "stable-diffusion-v1/lora"
+    pipeline_class = "StableDiffusionPipeline"
+    pipeline_kwargs = {"safety_checker": None, "requires_safety_checker": False}
 
     def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
@@ -83,6 +86,31 @@ class SD15(Family):
             feature_extractor=None,
             requires_safety_checker=False,
         )
+
+    def empty_parts(self, pretrained):
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel
+
+        unet_cfg = UNet2DConditionModel.load_config(pretrained, subfolder="unet")
+        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
+        te_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder")
+        with init_empty_weights():
+            return {
+                "denoiser": UNet2DConditionModel.from_config(unet_cfg),
+                "vae": AutoencoderKL.from_config(vae_cfg),
+                "text_encoder": CLIPTextModel(te_cfg),
+            }
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        unet, vae = parts["denoiser"], parts["vae"]
+        f = 2 ** (len(vae.config.block_out_channels) - 1)
+        c = unet.config.in_channels
+        latents = torch.zeros(batch, c, height // f, width // f, device="meta")
+        steps = torch.zeros(batch, dtype=torch.long, device="meta")
+        width_te = parts["text_encoder"].config.hidden_size
+        embeds = torch.zeros(batch, 77, width_te, device="meta")
+        return (latents, steps), {"encoder_hidden_states": embeds}
 
     def make_tiny(self, out_dir, seed=0):
         from diffusers import (

@@ -1,0 +1,66 @@
+"""Caption statistics and safe caption edits."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kit.config import Config, DataConfig
+from kit.data import _caption_path, scan
+from kit.io import write_text
+
+_WORD = re.compile(r"[\w'-]+")
+
+
+def words(caption: str) -> list[str]:
+    """Lower-case words of a caption."""
+    return [w.lower() for w in _WORD.findall(caption)]
+
+
+def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
+    """What the captions hold: problems, word frequencies, trigger coverage, token counts."""
+    rep = scan(cfg.data)
+    captions = [s.caption for s in rep.samples]
+    dup = [c for c, n in Counter(captions).items() if n > 1 and c]
+    counts = Counter(w for c in captions for w in words(c))
+    coverage = {
+        t: sum(t.lower() in c.lower() for c in captions) / max(1, len(captions))
+        for t in cfg.data.trigger_words
+    }
+    out: dict[str, Any] = {
+        "images": len(rep.samples) + len(rep.missing_captions) + len(rep.unreadable),
+        "captioned": len(rep.samples),
+        "missing_captions": [str(p) for p in rep.missing_captions],
+        "orphan_captions": [str(p) for p in rep.orphan_captions],
+        "empty_captions": [str(p) for p in rep.empty_captions],
+        "unreadable": [f"{p}: {why}" for p, why in rep.unreadable],
+        "duplicate_captions": dup,
+        "top_words": counts.most_common(40),
+        "trigger_coverage": coverage,
+        "samples": [{"image": str(s.image), "caption": s.caption} for s in rep.samples],
+    }
+    if token_counts and rep.samples:
+        out["tokens"] = _token_counts(cfg, captions)
+    return out
+
+
+def _token_counts(cfg: Config, captions: list[str]) -> dict[str, Any] | None:
+    """Tokens per caption for the family's first tokenizer, and how many are cut off."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(cfg.model.pretrained_model, subfolder="tokenizer")
+    except (OSError, ValueError):
+        return None  # the base model is not reachable yet; counts come later
+    n = [len(tok(c).input_ids) for c in captions]
+    limit = tok.model_max_length
+    return {"limit": limit, "max": max(n), "mean": sum(n) / len(n), "truncated": sum(x > limit for x in n)}
+
+
+def save_caption(image: str | Path, text: str, cfg: DataConfig) -> Path:
+    """Write one image's caption atomically; return the caption file."""
+    path = _caption_path(Path(image), cfg)
+    write_text(path, text.strip() + "\n")
+    return path

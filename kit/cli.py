@@ -1,0 +1,237 @@
+"""`kit ...`: the command line that scripts, CI and the notebooks share."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from typing import Any
+
+from kit.errors import KitError
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+def _config(args: argparse.Namespace):
+    from kit.config import load_config, parse_override
+
+    overrides = dict(parse_override(s) for s in getattr(args, "set", None) or [])
+    return load_config(args.config, overrides)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from kit.env import advice, report
+
+    rep = report()
+    if args.json:
+        _print_json(rep)
+        return 0
+    for k, v in rep["versions"].items():
+        print(f"{k:>14}  {v}")
+    for d in rep["devices"]:
+        print(f"{'device':>14}  {d}")
+    print(f"{'disk free':>14}  {rep['disk_free_gib']} GiB")
+    for note in advice(rep):
+        print(f"  - {note}")
+    return 0
+
+
+def cmd_families(args: argparse.Namespace) -> int:
+    from kit.families import family_names
+
+    print("\n".join(family_names()))
+    return 0
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from kit.families import get_family
+
+    path = get_family(args.family).make_tiny(args.out_dir, seed=args.seed)
+    print(f"wrote a tiny random-init {args.family} model to {path}")
+    return 0
+
+
+def cmd_captions(args: argparse.Namespace) -> int:
+    from kit.captions import caption_report
+
+    rep = caption_report(_config(args))
+    if args.json:
+        _print_json(rep)
+        return 0
+    print(f"{rep['images']} images, {rep['captioned']} captioned")
+    for key in ("missing_captions", "orphan_captions", "empty_captions", "unreadable", "duplicate_captions"):
+        if rep[key]:
+            print(f"{key}: {len(rep[key])} (first: {rep[key][0]})")
+    print("most common words:", ", ".join(f"{w} ({n})" for w, n in rep["top_words"][:15]))
+    for word, share in rep["trigger_coverage"].items():
+        print(f"trigger word '{word}' in {share:.0%} of captions")
+    return 0
+
+
+def cmd_buckets(args: argparse.Namespace) -> int:
+    from kit.data import load_samples, plan_buckets
+    from kit.families import get_family
+
+    cfg = _config(args)
+    samples = load_samples(cfg.data)
+    plan = plan_buckets(samples, cfg.data, get_family(cfg.model.model_family).bucket_step, cfg.train.seed)
+    counts = plan.counts()
+    rows = [
+        {"bucket": f"{w}x{h}", "width": w, "height": h, "images": n, "aspect": round(w / h, 3)}
+        for (w, h), n in sorted(counts.items())
+    ]
+    if args.json:
+        _print_json({"buckets": rows, "images": len(samples)})
+        return 0
+    for r in rows:
+        print(f"{r['bucket']:>10}  aspect {r['aspect']:<6} {r['images']:>5} image(s)")
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from kit.memory import GIB, GPUS, estimate
+
+    est = estimate(_config(args))
+    d = est.to_dict()
+    if args.budget is not None:
+        d["budget_gib"] = args.budget
+        d["fits_budget"] = est.fits(args.budget)
+    if args.gpu:
+        if args.gpu not in GPUS:
+            raise KitError(f"unknown --gpu '{args.gpu}' (known: {', '.join(GPUS)})")
+        d["gpu"] = args.gpu
+        d["fits_gpu"] = est.fits(GPUS[args.gpu])
+    if args.json:
+        _print_json(d)
+        return 0
+    for k, v in est.components.items():
+        print(f"{k:>22}  {v / GIB:8.3f} GiB")
+    print(f"{'total':>22}  {est.total_bytes / GIB:8.3f} GiB")
+    for name, ok in d["fits"].items():
+        print(f"{name:>22}  {'fits' if ok else 'does not fit'}")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from kit.train import train
+
+    result = train(_config(args), resume=args.resume, force=args.force, overwrite=args.overwrite)
+    print(f"{'stopped' if result.interrupted else 'finished'} at step {result.step}; run folder: {result.run_dir}")
+    return 130 if result.interrupted else 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from kit.export import export
+
+    for fmt in args.format:
+        r = export(args.run_dir, fmt, checkpoint=args.checkpoint, dtype=args.dtype, verify=not args.no_verify)
+        v = r.verification
+        check = f"verified on {v.images} image(s), max pixel difference {v.max_abs_diff}" if v else "not verified"
+        print(f"{fmt}: {r.path} (step {r.step}; {check})")
+    return 0
+
+
+def cmd_notebooks(args: argparse.Namespace) -> int:
+    from kit.notebooks import run_notebooks
+
+    params = {name: _literal(value) for name, value in args.param or []}
+    for path in run_notebooks(args.out_dir, params, only=args.only):
+        print(f"executed {path}")
+    return 0
+
+
+def _literal(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    p = argparse.ArgumentParser(prog="kit", description="Fine-tune diffusion models on your own images.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_config(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", help="config file (JSON or YAML)")
+        sp.add_argument("-s", "--set", action="append", metavar="KEY=VALUE", help="override a config field")
+
+    sp = sub.add_parser("env", help="check this machine: versions, devices, precision, disk")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_env)
+
+    sp = sub.add_parser("families", help="list the model families")
+    sp.set_defaults(func=cmd_families)
+
+    sp = sub.add_parser("tiny", help="write a tiny random-init model of a family (offline)")
+    sp.add_argument("family")
+    sp.add_argument("out_dir")
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(func=cmd_tiny)
+
+    sp = sub.add_parser("captions", help="report on the dataset's captions")
+    with_config(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_captions)
+
+    sp = sub.add_parser("buckets", help="show the aspect buckets of the dataset")
+    with_config(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_buckets)
+
+    sp = sub.add_parser("estimate", help="estimate the VRAM a config needs")
+    with_config(sp)
+    sp.add_argument("--gpu", help="a card name from the table")
+    sp.add_argument("--budget", type=float, help="memory budget in GiB")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_estimate)
+
+    sp = sub.add_parser("train", help="train from a config")
+    with_config(sp)
+    sp.add_argument("--resume", metavar="latest|PATH", help="continue from a checkpoint")
+    sp.add_argument("--force", action="store_true", help="resume even if settings changed")
+    sp.add_argument("--overwrite", action="store_true", help="replace an earlier run in output_dir")
+    sp.set_defaults(func=cmd_train)
+
+    sp = sub.add_parser("export", help="export a run's adapter and verify it")
+    sp.add_argument("run_dir")
+    sp.add_argument("--format", nargs="+", default=["diffusers"], choices=["diffusers", "kohya"])
+    sp.add_argument("--checkpoint", help="checkpoint folder (default: the latest)")
+    sp.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
+    sp.add_argument("--no-verify", action="store_true", help="skip the reload check")
+    sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("notebooks", help="execute the seven notebooks headlessly (papermill)")
+    sp.add_argument("out_dir")
+    sp.add_argument("-p", "--param", nargs=2, action="append", metavar=("NAME", "VALUE"))
+    sp.add_argument("--only", nargs="+", help="notebook name prefixes, e.g. 00 04")
+    sp.set_defaults(func=cmd_notebooks)
+    return p
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kit` command."""
+    args = build_parser().parse_args(argv)
+    from kit.logs import quiet_libraries
+
+    quiet_libraries()
+    warnings.showwarning = _show_warning
+    try:
+        return args.func(args)
+    except KitError as e:
+        print(f"kit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""What the notebooks show: tables, figures, image grids, live training plots and editors.
+
+Everything here also works headlessly (papermill): widgets simply render as their text form.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from kit.config import Config, load_config
+from kit.logs import quiet_libraries
+
+quiet_libraries()
+
+
+def load(config_path: str | Path, output_dir: str = "", **overrides: Any) -> Config:
+    """The notebook's config: the file, with `output_dir` and other overrides (None: keep) applied."""
+    extra = {k: v for k, v in overrides.items() if v is not None}
+    if output_dir:
+        extra["output_dir"] = str(Path(output_dir).resolve())
+    return load_config(config_path, extra)
+
+
+def table(rows: Iterable[dict[str, Any]], max_rows: int = 50) -> Any:
+    """An HTML table of dict rows."""
+    from IPython.display import HTML
+
+    rows = list(rows)
+    if not rows:
+        return HTML("<i>(nothing to show)</i>")
+    cols = list(rows[0])
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in cols) + "</tr>"
+        for r in rows[:max_rows]
+    )
+    more = f"<p><i>… {len(rows) - max_rows} more rows</i></p>" if len(rows) > max_rows else ""
+    return HTML(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{more}")
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def show_images(paths: Iterable[str | Path], width: int = 160) -> Any:
+    """A row of images with their file names."""
+    import base64
+
+    from IPython.display import HTML
+
+    cells = []
+    for p in paths:
+        data = base64.b64encode(Path(p).read_bytes()).decode()
+        cells.append(
+            f"<figure style='display:inline-block;margin:4px'><img width={width} "
+            f"src='data:image/png;base64,{data}'/><figcaption>{html.escape(Path(p).name)}"
+            "</figcaption></figure>"
+        )
+    return HTML("".join(cells))
+
+
+def bucket_figure(plan: Any, samples: list[Any]):
+    """Images per bucket, and the spread of the images' aspect ratios."""
+    import matplotlib.pyplot as plt
+
+    counts = sorted(plan.counts().items())
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3))
+    a.bar([f"{w}x{h}" for (w, h), _ in counts], [n for _, n in counts])
+    a.set_title("images per bucket")
+    a.tick_params(axis="x", rotation=45)
+    b.hist([s.width / s.height for s in samples], bins=20)
+    b.set_title("image aspect ratio (width / height)")
+    fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's result
+    return fig
+
+
+def vram_figure(est: Any, budget_gib: float | None = None):
+    """Estimated peak memory by component, with an optional budget line."""
+    import matplotlib.pyplot as plt
+
+    from kit.memory import GIB
+
+    names = list(est.components)
+    values = [est.components[n] / GIB for n in names]
+    fig, ax = plt.subplots(figsize=(8, 3))
+    ax.barh(names, values)
+    ax.set_xlabel("GiB")
+    ax.set_title(f"estimated peak: {est.total_bytes / GIB:.3f} GiB  ({est.settings})", fontsize=8)
+    if budget_gib:
+        ax.axvline(budget_gib, color="red", linestyle="--", label=f"budget {budget_gib} GiB")
+        ax.legend()
+    fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's result
+    return fig
+
+
+class LivePlot:
+    """A training callback that redraws the metrics figure every `every` steps."""
+
+    def __init__(self, metrics_path: Path, every: int = 10) -> None:
+        from IPython.display import display
+
+        self.metrics_path = Path(metrics_path)
+        self.every = every
+        self.handle = display("training starts…", display_id=True)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event["kind"] == "step" and event["step"] % self.every == 0 or event["kind"] == "end":
+            self.redraw()
+
+    def redraw(self) -> None:
+        """Draw the figure from the metrics logged so far."""
+        import matplotlib.pyplot as plt
+
+        from kit.plots import metrics_figure
+        from kit.runs import RunDir
+
+        rows = RunDir(self.metrics_path.parent.parent).read_metrics()
+        if rows:
+            fig = metrics_figure(rows)
+            self.handle.update(fig)
+            plt.close(fig)
+
+
+def caption_editor(cfg: Config, samples: list[Any]) -> Any:
+    """Thumbnail, caption box, previous / next and save: edits are written atomically."""
+    import ipywidgets as W
+
+    from kit.captions import save_caption
+
+    state = {"i": 0}
+    image = W.Image(format="png", width=256)
+    text = W.Textarea(layout=W.Layout(width="60%", height="80px"))
+    status = W.Label()
+    prev_b, next_b, save_b = W.Button(description="◀ previous"), W.Button(description="next ▶"), W.Button(description="save", button_style="primary")
+
+    def show() -> None:
+        s = samples[state["i"]]
+        image.value = _png_bytes(s.image)
+        text.value = s.caption
+        status.value = f"{state['i'] + 1}/{len(samples)}  {Path(s.image).name}"
+
+    def move(step: int) -> None:
+        state["i"] = (state["i"] + step) % len(samples)
+        show()
+
+    def save(_=None) -> None:
+        s = samples[state["i"]]
+        s.caption = text.value.strip()
+        path = save_caption(s.image, s.caption, cfg.data)
+        status.value = f"saved {path.name}"
+
+    prev_b.on_click(lambda _: move(-1))
+    next_b.on_click(lambda _: move(1))
+    save_b.on_click(save)
+    show()
+    return W.VBox([W.HBox([image, text]), W.HBox([prev_b, next_b, save_b, status])])
+
+
+def _png_bytes(path: str | Path, size: int = 256) -> bytes:
+    import io
+
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        im.thumbnail((size, size))
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+    return buf.getvalue()
