@@ -222,15 +222,16 @@ def main(argv: list[str] | None = None) -> int:
     from kit.logs import quiet_libraries
 
     quiet_libraries()
-    warnings.showwarning = _show_warning
-    try:
-        return args.func(args)
-    except KitError as e:
-        print(f"kit: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kit: interrupted", file=sys.stderr)
-        return 130
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            return args.func(args)
+        except KitError as e:
+            print(f"kit: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("kit: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

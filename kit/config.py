@@ -69,6 +69,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.resolution < 32:
             raise ConfigError(f"resolution: {self.resolution} is too small (at least 32)")
+        if self.bucket_step < 0 or self.bucket_step % 8:
+            raise ConfigError(f"bucket_step: {self.bucket_step} must be 0 or a positive multiple of 8")
         if self.max_aspect_ratio < 1.0:
             raise ConfigError(f"max_aspect_ratio: {self.max_aspect_ratio} must be at least 1.0")
 
@@ -145,7 +147,7 @@ class TrainConfig:
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be at least 1")
-        if self.learning_rate <= 0:
+        if not self.learning_rate > 0 or self.learning_rate == float("inf"):
             raise ConfigError(f"learning_rate: {self.learning_rate} must be positive")
         if self.mixed_precision == "fp32":
             self.mixed_precision = "no"
@@ -307,6 +309,8 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
         if key in SECTIONS and isinstance(value, dict):
             names = [f.name for f in dataclasses.fields(SECTIONS[key])]
             for sub, v in value.items():
+                if sub.startswith("_"):
+                    continue  # comments
                 if sub not in names:
                     if sub in index:
                         raise ConfigError(
@@ -316,6 +320,10 @@ def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
                 if sub in flat:
                     raise ConfigError(f"config key '{sub}' is given twice")
                 flat[sub] = v
+        elif key in SECTIONS:
+            raise ConfigError(
+                f"config section '{key}' must be an object of fields, got {type(value).__name__}"
+            )
         elif key in index:
             if key in flat:
                 raise ConfigError(f"config key '{key}' is given twice")
@@ -371,14 +379,16 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
         except ImportError:
             raise ConfigError(f"{path}: reading YAML needs pyyaml (pip install pyyaml)") from None
         try:
-            raw = yaml.safe_load(text)
+            raw = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
     else:
         try:
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_no_duplicates)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     try:
         raw = _flatten(raw) if isinstance(raw, dict) else raw
         if overrides:
@@ -388,6 +398,33 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
         return from_dict(raw, base_dir=path.parent)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON object hook: a key written twice is a mistake, not a silent override."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"config key '{k}' is given twice")
+        out[k] = v
+    return out
+
+
+def _yaml_loader() -> type:
+    """A SafeLoader that reads `1e-4` as a number, as YAML 1.2 and JSON do."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)$"),
+        list("-+0123456789."),
+    )
+    return Loader
 
 
 def parse_override(text: str) -> tuple[str, Any]:

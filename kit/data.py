@@ -152,7 +152,9 @@ def make_buckets(
     resolution: int, resolution_type: str, step: int, max_aspect_ratio: float
 ) -> list[tuple[int, int]]:
     """(width, height) buckets, multiples of `step`, from square to `max_aspect_ratio`."""
-    out: set[tuple[int, int]] = set()
+    # The square bucket nearest the resolution is always there, so square images are never cropped.
+    side = max(step, round(resolution / step) * step)
+    out: set[tuple[int, int]] = {(side, side)}
     if resolution_type == "area":
         area = resolution * resolution
         for w in range(step, int(resolution * math.sqrt(max_aspect_ratio)) + step + 1, step):
@@ -195,7 +197,7 @@ def place(sample: Sample, bucket: tuple[int, int], center: bool, seed: int) -> P
     if center:
         top, left = (rh - bh) // 2, (rw - bw) // 2
     else:
-        rng = random.Random(f"{seed}-{sample.image.name}")
+        rng = random.Random(f"{seed}-{sample.image.as_posix()}")
         top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
     return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height))
 

@@ -16,7 +16,7 @@ import torch
 
 from kit import checkpoint as ckpt
 from kit.config import Config
-from kit.data import CachedDataset, build_cache, epoch_batches
+from kit.data import CachedDataset, build_cache, epoch_batches, load_samples
 from kit.errors import KitError
 from kit.families import Components, Family, get_family
 from kit.io import write_text
@@ -102,13 +102,16 @@ def train(
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
-    _prepare_run_dir(run, resume, overwrite, accelerator.is_main_process)
+    _refuse_mixed_runs(run, resume, overwrite)
+    load_samples(cfg.data)  # bad data fails here, before any download or deletion
     torch.manual_seed(t.seed)  # adapter initialisation
     family, comps = load_base(cfg)
     for m in comps.frozen_modules():
         m.to(accelerator.device, dtype=weight_dtype)
     data = build_cache(cfg, family, comps, accelerator.device)
     _check_resume(run, cfg, data, resume_from, force)
+    if overwrite and not resume and accelerator.is_main_process:
+        _clear_run(run)
 
     summary = attach(cfg, family, comps)
     unet = comps.denoiser
@@ -174,6 +177,7 @@ def train(
             progress,
             keep=t.checkpoints_total_limit,
         )
+        result.checkpoint = path
         emit(kind="checkpoint", step=at_step, path=path)
         return path
 
@@ -239,18 +243,20 @@ def train(
                 emit(kind="step", **row)
                 last = step == t.max_train_steps
                 if t.checkpointing_steps and step % t.checkpointing_steps == 0 and not last:
-                    result.checkpoint = save(step) if accelerator.is_main_process else None
+                    if accelerator.is_main_process:
+                        save(step)
                 v_every = cfg.validation.validation_steps
                 if accelerator.is_main_process and (last or (v_every and step % v_every == 0)):
                     result.validation_grids.append(validate(step))
             if position >= len(batches):
                 epoch, position = epoch + 1, 0
         if accelerator.is_main_process:
-            result.checkpoint = save(step)
+            save(step)
     except KeyboardInterrupt:
         # Stopped by the user: keep what was learned, then stop cleanly.
-        if accelerator.is_main_process and step > 0 and not micro_losses:
-            result.checkpoint = save(step)
+        saved = result.checkpoint is not None and result.checkpoint.name == f"step-{step:06d}"
+        if accelerator.is_main_process and step > 0 and not micro_losses and not saved:
+            save(step)
         result.interrupted = True
         accelerator.print(f"interrupted at step {step}; checkpoint: {result.checkpoint}")
     finally:
@@ -313,17 +319,22 @@ def _check_resume(
         warnings.warn("resuming despite changes: " + "; ".join(changes), stacklevel=2)
 
 
-def _prepare_run_dir(run: RunDir, resume: str | None, overwrite: bool, main: bool) -> None:
-    """Refuse to mix a new run into an old one's folder unless asked to replace it."""
-    if resume or not main:
-        return
-    old = [p for p in (run.root / "checkpoints", run.metrics, run.validation) if p.exists()]
-    if old and not overwrite:
+def _old_run_files(run: RunDir) -> list[Path]:
+    return [p for p in (run.root / "checkpoints", run.metrics, run.validation) if p.exists()]
+
+
+def _refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
+    """A new run may not write into an old one's folder unless asked to replace it."""
+    if not resume and not overwrite and _old_run_files(run):
         raise KitError(
             f"{run.root} already holds a run; resume it (--resume latest), "
             "choose another output_dir, or pass --overwrite to replace it"
         )
-    for p in old:
+
+
+def _clear_run(run: RunDir) -> None:
+    """Delete an earlier run's checkpoints, logs and images (only once the new run can start)."""
+    for p in _old_run_files(run):
         if p.is_dir():
             shutil.rmtree(p)
         else:

@@ -1,0 +1,40 @@
+# `make demo`: set up .venv and run the seven notebooks on the example dataset into runs/demo/.
+# `make test`: set up .venv and run the whole test suite (offline, CPU).
+
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch is enough for the demo and the tests; on a GPU machine install the
+# CUDA build of your choice first (pip install torch) and this line keeps it.
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,lab]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf runs/demo
+	$(BIN)/kit notebooks runs/demo
+	@echo "Executed notebooks, loss plot, validation grids and both LoRA files are in runs/demo/"
+
+test: $(STAMP)
+	$(BIN)/ruff check kit tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check kit tests benchmarks
+	$(BIN)/ruff format --check kit tests benchmarks
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_train.py
+
+clean:
+	rm -rf runs/demo .pytest_cache

@@ -1,0 +1,69 @@
+"""The seven notebooks: their form (one literal parameters cell, no outputs) and a headless run."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import nbformat
+import pytest
+
+from kit.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_form(name):
+    nb = nbformat.read(notebook_dir() / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1, "exactly one cell tagged 'parameters'"
+    for stmt in ast.parse(params[0].source).body:
+        # papermill overrides by name: literal values only, each with a `# meaning` comment
+        assert isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+        ast.literal_eval(stmt.value)
+    assert all("#" in line for line in params[0].source.splitlines() if "=" in line)
+    assert all(not c.outputs and c.execution_count is None for c in code), "committed outputs"
+    assert all(len(c.source.splitlines()) <= 15 for c in code), "a long cell belongs in kit/"
+    assert sum(c.cell_type == "markdown" for c in nb.cells) >= 3, "markdown that teaches"
+    assert nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# ")
+
+
+@pytest.mark.slow
+def test_all_notebooks_run_headlessly(tmp_path, make_config):
+    """`kit notebooks OUT` runs all seven in order and leaves the demo's results behind."""
+    from kit.cli import main
+
+    cfg = make_config(
+        max_train_steps=6,
+        checkpointing_steps=3,
+        validation_steps=3,
+        validation_seeds=[0, 1],
+        trigger_words=["zorbstar"],
+    )
+    out = tmp_path / "demo"
+    assert main(["notebooks", str(out), "-p", "config_path", str(cfg), "-p", "plot_every", "2"]) == 0
+    for name in NOTEBOOKS:
+        nb = nbformat.read(out / "notebooks" / f"{name}.ipynb", as_version=4)
+        errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
+        assert not errors, name
+    run = out / "run"
+    assert (run / "loss.png").is_file()
+    assert (run / "validation/step-000006/grid.png").is_file()
+    assert (run / "validation/step-000006-scales/grid.png").is_file()
+    for fmt in ("diffusers", "kohya"):
+        verify = next((run / "exports" / fmt).glob("*.verify.json"))
+        assert json.loads(verify.read_text())["passed"]
+    # 04 shows the live figure and 06 redraws an image with plain diffusers, identical.
+    nb04 = nbformat.read(out / "notebooks/04_train.ipynb", as_version=4)
+    assert any("image/png" in o.get("data", {}) for c in nb04.cells for o in c.get("outputs", []))
+    nb06 = nbformat.read(out / "notebooks/06_export.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in nb06.cells for o in c.get("outputs", []))
+    assert "largest pixel difference from the kit's own image: 0" in text
+
+
+def test_unknown_notebook_selection(tmp_path):
+    from kit.errors import KitError
+
+    with pytest.raises(KitError, match="matches none"):
+        run_notebooks(tmp_path, only=["99"])
