@@ -47,16 +47,30 @@ def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
 
 
 def _token_counts(cfg: Config, captions: list[str]) -> dict[str, Any] | None:
-    """Tokens per caption for the family's first tokenizer, and how many are cut off."""
-    from transformers import AutoTokenizer
+    """Per text encoder: tokens per caption, the limit, and how many captions it cuts off.
 
+    A silently truncated caption looks like a learning-rate problem, so this is reported early.
+    """
+    from kit.families import get_family
+
+    family = get_family(cfg.model.model_family, cfg)
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.model.pretrained_model, subfolder="tokenizer")
+        tokenizers = family.load_tokenizers(cfg.model.pretrained_model)
     except (OSError, ValueError):
         return None  # the base model is not reachable yet; counts come later
-    n = [len(tok(c).input_ids) for c in captions]
-    limit = tok.model_max_length
-    return {"limit": limit, "max": max(n), "mean": sum(n) / len(n), "truncated": sum(x > limit for x in n)}
+    out = {}
+    for name, tok in tokenizers.items():
+        limit = family.token_limit(name, tok)
+        n = [len(tok(c).input_ids) for c in captions]
+        over = [x - limit for x in n if x > limit]
+        out[name] = {
+            "limit": limit,
+            "max": max(n),
+            "mean": round(sum(n) / len(n), 1),
+            "truncated": len(over),
+            "most_over_by": max(over, default=0),
+        }
+    return out
 
 
 def save_caption(image: str | Path, text: str, cfg: DataConfig) -> Path:

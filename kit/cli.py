@@ -72,12 +72,9 @@ def cmd_captions(args: argparse.Namespace) -> int:
 
 
 def cmd_buckets(args: argparse.Namespace) -> int:
-    from kit.data import load_samples, plan_buckets
-    from kit.families import get_family
+    from kit.data import plan_dataset
 
-    cfg = _config(args)
-    samples = load_samples(cfg.data)
-    plan = plan_buckets(samples, cfg.data, get_family(cfg.model.model_family).bucket_step, cfg.train.seed)
+    samples, plan = plan_dataset(_config(args))
     counts = plan.counts()
     rows = [
         {"bucket": f"{w}x{h}", "width": w, "height": h, "images": n, "aspect": round(w / h, 3)}

@@ -35,6 +35,14 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) of the base model; ignored for local folders."""
     variant: str | None = None
     """Weights variant of the base model, e.g. `fp16`."""
+    max_sequence_length: int = 0
+    """Tokens of the T5 text encoder (SD3: 256, up to 512; Flux: 512); 0 takes the family's default."""
+    use_t5: bool = True
+    """Load the T5 text encoder where the family has one; false leaves it out to save memory."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_sequence_length <= 512:
+            raise ConfigError(f"max_sequence_length: {self.max_sequence_length} must be 0..512")
 
 
 @dataclass
@@ -65,10 +73,18 @@ class DataConfig:
     """Crop to the bucket at the centre; false crops at a seeded random offset."""
     cache_dir: str = field(default="", metadata=PATH)
     """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
+    num_frames: int = 17
+    """Frames per training clip (video families); Wan wants 4k+1 (5, 9, 17, 33, 81)."""
+    frame_stride: int = 1
+    """Take every n-th frame of a clip (video families)."""
+    frame_start: Literal["first", "center", "random"] = "first"
+    """Where in a longer clip the frames start: at the beginning, centred, or seeded random."""
 
     def __post_init__(self) -> None:
         if self.resolution < 32:
             raise ConfigError(f"resolution: {self.resolution} is too small (at least 32)")
+        if self.num_frames < 1 or self.frame_stride < 1:
+            raise ConfigError("num_frames and frame_stride must be at least 1")
         if self.bucket_step < 0 or self.bucket_step % 8:
             raise ConfigError(f"bucket_step: {self.bucket_step} must be 0 or a positive multiple of 8")
         if self.max_aspect_ratio < 1.0:
@@ -93,6 +109,30 @@ class NetworkConfig:
             raise ConfigError(f"lora_rank: {self.lora_rank} must be at least 1")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora_dropout: {self.lora_dropout} must be in [0, 1)")
+
+
+@dataclass
+class ObjectiveConfig:
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = "logit_normal"
+    """How flow-matching families (sd3, flux, wan) draw σ; DDPM families draw timesteps uniformly."""
+    logit_mean: float = 0.0
+    """Mean of the logit-normal σ distribution."""
+    logit_std: float = 1.0
+    """Standard deviation of the logit-normal σ distribution."""
+    mode_scale: float = 1.29
+    """Scale of `mode` σ sampling (SD3 paper)."""
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    """Per-sample loss weight for flow matching; `none` lets the σ sampling do the weighting."""
+    flow_shift: float = 0.0
+    """σ shift for flow matching (>1 favours noisy steps); 0 takes the family's rule."""
+    train_guidance_scale: float = 1.0
+    """Guidance value given to guidance-distilled models (Flux dev's guidance embedding) in training."""
+
+    def __post_init__(self) -> None:
+        if self.logit_std <= 0:
+            raise ConfigError(f"logit_std: {self.logit_std} must be positive")
+        if self.flow_shift < 0:
+            raise ConfigError(f"flow_shift: {self.flow_shift} must be 0 (family default) or positive")
 
 
 @dataclass
@@ -176,6 +216,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
 

@@ -239,6 +239,15 @@ def plan_buckets(samples: list[Sample], cfg: DataConfig, step: int, seed: int) -
     return BucketPlan(buckets, placements)
 
 
+def plan_dataset(cfg: Config) -> tuple[list[Sample], BucketPlan]:
+    """Scan the dataset and bucket it with the family's alignment: what training will see."""
+    from kit.families import get_family
+
+    samples = load_samples(cfg.data)
+    step = get_family(cfg.model.model_family, cfg).bucket_step
+    return samples, plan_buckets(samples, cfg.data, step, cfg.train.seed)
+
+
 def epoch_batches(plan: BucketPlan, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
     """The batches of one epoch: shuffled within buckets, then in order; never mixing buckets."""
     rng = random.Random(f"{seed}-epoch-{epoch}")
@@ -290,12 +299,16 @@ class CachedDataset:
     stats: dict[str, int] = field(default_factory=dict)
 
     def load_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Stack the cached tensors of these samples."""
+        """Stack the cached tensors of these samples, with each one's size and crop (h, w order)."""
         out: dict[str, list[torch.Tensor]] = defaultdict(list)
         for i in indices:
             out["latents"].append(load_file(self.latent_files[i])["latents"])
             for k, v in load_file(self.text_files[i]).items():
                 out[k].append(v)
+            p = self.plan.placements[i]
+            out["original_size"].append(torch.tensor([p.original[1], p.original[0]]))
+            out["crop_top_left"].append(torch.tensor(list(p.crop)))
+            out["target_size"].append(torch.tensor([p.bucket[1], p.bucket[0]]))
         return {k: torch.stack(v) for k, v in out.items()}
 
     def manifest(self) -> list[dict[str, Any]]:
@@ -313,8 +326,7 @@ class CachedDataset:
 
 def build_cache(cfg: Config, family: Any, comps: Any, device: torch.device | str = "cpu") -> CachedDataset:
     """Scan, bucket and encode the dataset, reusing cache entries made by earlier runs."""
-    samples = load_samples(cfg.data)
-    plan = plan_buckets(samples, cfg.data, family.bucket_step, cfg.train.seed)
+    samples, plan = plan_dataset(cfg)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     latent_dir = root / "latents" / comps.identity["vae"]
     text_dir = root / "text" / comps.identity["text"]

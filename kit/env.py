@@ -113,7 +113,7 @@ def ensure_base_model(cfg: Any, create_tiny: bool = False) -> str:
     if local.is_dir():
         return f"local base model: {local}"
     if local.is_absolute() and create_tiny:
-        get_family(cfg.model.model_family).make_tiny(local)
+        get_family(cfg.model.model_family, cfg).make_tiny(local)
         return f"wrote a tiny random-init {cfg.model.model_family} base model to {local}"
     if local.is_absolute():
         from kit.errors import KitError

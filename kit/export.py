@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -21,7 +22,7 @@ from kit.families import get_family
 from kit.io import write_json, write_with
 from kit.network import lora_config
 from kit.runs import RunDir, open_run
-from kit.validate import ImageSpec, generate, read_sidecar
+from kit.validate import ImageSpec, frame_strip, read_sidecar
 
 FORMATS = ("diffusers", "kohya")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -65,7 +66,11 @@ def export(
         raise KitError(f"unknown export dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     run = open_run(run_dir)
     cfg = load_config(run.config)
-    family = get_family(cfg.model.model_family)
+    family = get_family(cfg.model.model_family, cfg)
+    if fmt not in family.export_formats:
+        raise KitError(
+            f"{family.name} models export as {', '.join(family.export_formats)}, not '{fmt}'"
+        )
     source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
     if source is None:
         raise KitError(f"{run.root} has no complete checkpoint to export")
@@ -161,7 +166,7 @@ def verify_export(run: RunDir, lora_file: Path, step: int, tolerance: int = 2) -
     import diffusers
 
     cfg = load_config(run.config)
-    family = get_family(cfg.model.model_family)
+    family = get_family(cfg.model.model_family, cfg)
     refs = reference_images(run, step) or _draw_references(run, step)
     pipe_cls = getattr(diffusers, family.pipeline_class)
     pipe = pipe_cls.from_pretrained(cfg.model.pretrained_model, **family.pipeline_kwargs)
@@ -169,9 +174,7 @@ def verify_export(run: RunDir, lora_file: Path, step: int, tolerance: int = 2) -
     pipe.set_progress_bar_config(disable=True)
     diffs = []
     for spec, png in refs:
-        ours = np.asarray(generate(pipe, spec), dtype=np.int16)
-        from PIL import Image
-
+        ours = np.asarray(frame_strip(family.sample(pipe, spec)), dtype=np.int16)
         theirs = np.asarray(Image.open(png).convert("RGB"), dtype=np.int16)
         diffs.append(np.abs(ours - theirs))
     max_diff = int(max(d.max() for d in diffs))

@@ -115,7 +115,7 @@ def estimate(
     mixed_precision: str | None = None,
 ) -> Estimate:
     """Estimate peak VRAM of the configured run; keyword arguments override the config."""
-    family = get_family(cfg.model.model_family)
+    family = get_family(cfg.model.model_family, cfg)
     parts = family.empty_parts(cfg.model.pretrained_model)
     res = resolution or cfg.data.resolution
     batch = batch_size or cfg.train.train_batch_size

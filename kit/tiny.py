@@ -55,3 +55,39 @@ def write_clip_tokenizer_files(out_dir: str | Path, words: tuple[str, ...] | lis
     (out / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
     (out / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n", encoding="utf-8")
     return len(vocab)
+
+
+def write_t5_tokenizer(out_dir: str | Path, words: tuple[str, ...] | list[str] = WORDS) -> int:
+    """Write a small T5-style (Unigram, `▁` word marks) tokenizer; return its vocab size.
+
+    Built with the `tokenizers` library, so nothing is downloaded: every listed word is one
+    piece, and any other word falls back to single characters.
+    """
+    import string
+
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import Unigram
+    from transformers import PreTrainedTokenizerFast
+
+    pieces: list[tuple[str, float]] = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(f"▁{w}", -1.0) for w in words]
+    chars = string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation
+    pieces += [(c, -5.0) for c in chars] + [(f"▁{c}", -4.0) for c in chars]
+    seen: set[str] = set()
+    pieces = [p for p in pieces if not (p[0] in seen or seen.add(p[0]))]
+    tok = Tokenizer(Unigram(pieces, unk_id=2, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ]
+    )
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.post_processor = processors.TemplateProcessing(
+        single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", model_max_length=512
+    )
+    fast.save_pretrained(str(out_dir))
+    return len(pieces)

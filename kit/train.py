@@ -8,7 +8,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ def resolve_precision(requested: str) -> str:
 
 def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, Components]:
     """The configured family and its loaded base model."""
-    family = get_family(cfg.model.model_family)
+    family = get_family(cfg.model.model_family, cfg)
     try:
         comps = family.load(
             cfg.model.pretrained_model,
@@ -182,11 +182,11 @@ def train(
         return path
 
     def validate(at_step: int) -> Path:
-        pipe = family.pipeline(comps)
-        pipe.unet = accelerator.unwrap_model(unet)
+        pipe = family.pipeline(replace(comps, denoiser=accelerator.unwrap_model(unet)))
         unet.eval()
         with accelerator.autocast():
             grid = run_validation(
+                family,
                 pipe,
                 image_specs(cfg, prompts),
                 run.validation_step(at_step),
@@ -281,9 +281,12 @@ def _loss(
     """The denoising loss of one batch."""
     batch = {k: v.to(device) for k, v in batch.items()}
     latents = batch.pop("latents")
-    noisy, timesteps, target = family.noise_and_target(comps, latents, generator)
-    pred = family.predict(comps, noisy, timesteps, batch)
-    return torch.nn.functional.mse_loss(pred.float(), target.float())
+    draw = family.noise_and_target(comps, latents, generator)
+    pred = family.predict(comps, draw.noisy, draw.timesteps, batch)
+    per_sample = (pred.float() - draw.target.float()).pow(2).flatten(1).mean(1)
+    if draw.weight is not None:
+        per_sample = per_sample * draw.weight.to(per_sample)
+    return per_sample.mean()
 
 
 def _fingerprint(cfg: Config, data: CachedDataset) -> dict[str, Any]:

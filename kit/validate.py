@@ -7,7 +7,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image, ImageDraw
 
 from kit.config import Config
@@ -62,23 +61,30 @@ def image_specs(cfg: Config, prompts: list[str], adapter_scale: float = 1.0) -> 
     ]
 
 
-@torch.no_grad()
-def generate(pipe: Any, spec: ImageSpec) -> Image.Image:
-    """Draw one image from a spec with a diffusers pipeline."""
-    generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-    kwargs: dict[str, Any] = {}
-    if spec.adapter_scale != 1.0:
-        kwargs["cross_attention_kwargs"] = {"scale": spec.adapter_scale}
-    return pipe(
-        prompt=spec.prompt,
-        negative_prompt=spec.negative_prompt or None,
-        num_inference_steps=spec.num_inference_steps,
-        guidance_scale=spec.guidance_scale,
-        width=spec.width,
-        height=spec.height,
-        generator=generator,
-        **kwargs,
-    ).images[0]
+def frame_strip(frames: list[Image.Image]) -> Image.Image:
+    """Frames side by side (a single image stays as it is)."""
+    if len(frames) == 1:
+        return frames[0]
+    w, h = frames[0].size
+    strip = Image.new("RGB", (w * len(frames), h))
+    for i, f in enumerate(frames):
+        strip.paste(f, (i * w, 0))
+    return strip
+
+
+def save_frames(frames: list[Image.Image], stem: Path) -> Path:
+    """`stem.png` (the image, or a frame strip) and, for clips, `stem.gif`; atomic."""
+    png = stem.with_suffix(".png")
+    strip = frame_strip(frames)
+    write_with(png, lambda tmp: strip.save(tmp, format="PNG"))
+    if len(frames) > 1:
+        write_with(
+            stem.with_suffix(".gif"),
+            lambda tmp: frames[0].save(
+                tmp, format="GIF", save_all=True, append_images=frames[1:], duration=125, loop=0
+            ),
+        )
+    return png
 
 
 def make_grid(images: list[Image.Image], cols: int, labels: list[str] | None = None) -> Image.Image:
@@ -98,6 +104,7 @@ def make_grid(images: list[Image.Image], cols: int, labels: list[str] | None = N
 
 
 def run_validation(
+    family: Any,
     pipe: Any,
     specs: list[ImageSpec],
     out_dir: Path,
@@ -111,13 +118,20 @@ def run_validation(
     images = []
     scheduler = {"class": type(pipe.scheduler).__name__, "config": dict(pipe.scheduler.config)}
     for i, spec in enumerate(specs):
-        im = generate(pipe, spec)
-        images.append(im)
+        frames = family.sample(pipe, spec)
+        images.append(frame_strip(frames))
         stem = f"{i // cols:02d}_seed{spec.seed}"
-        write_with(out_dir / f"{stem}.png", lambda tmp, im=im: im.save(tmp, format="PNG"))
+        save_frames(frames, out_dir / stem)
         write_json(
             out_dir / f"{stem}.json",
-            {**asdict(spec), "pipeline": type(pipe).__name__, "scheduler": scheduler, **meta},
+            {
+                **asdict(spec),
+                "pipeline": type(pipe).__name__,
+                "pipeline_kwargs": family.pipeline_kwargs,
+                "call_kwargs": family.call_kwargs(spec),
+                "scheduler": scheduler,
+                **meta,
+            },
         )
     labels = [f"[scale {s.adapter_scale:g}] {s.prompt}" for s in specs[::cols]]
     grid = make_grid(images, cols, labels)
@@ -163,6 +177,7 @@ def draw_checkpoint(
         prompts = default_prompts(cfg, captions)
     specs = [s for p in prompts for scale in scales for s in image_specs(cfg, [p], scale)]
     return run_validation(
+        family,
         family.pipeline(comps),
         specs,
         run.validation / f"{source.name}-scales",

@@ -262,7 +262,7 @@ def test_field_names_are_unique_across_sections():
     names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
     assert len(names) == len(set(names))
     assert not set(names) & set(SECTIONS)
-    assert set(SECTIONS) == {"model", "data", "network", "train", "validation"}
+    assert set(SECTIONS) == {"model", "data", "network", "objective", "train", "validation"}
 
 
 # ---------------------------------------------------------------- paths and overrides

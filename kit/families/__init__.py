@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import difflib
+from typing import TYPE_CHECKING
 
 from kit.errors import ConfigError
-from kit.families.base import Components, Family
+from kit.families.base import Components, Family, NoiseDraw
+
+if TYPE_CHECKING:
+    from kit.config import Config
 
 _REGISTRY: dict[str, type[Family]] = {}
 
@@ -18,14 +22,14 @@ def register(cls: type[Family]) -> type[Family]:
     return cls
 
 
-def get_family(name: str) -> Family:
-    """The family registered as `name`."""
+def get_family(name: str, cfg: Config | None = None) -> Family:
+    """The family registered as `name`, set up with the run's config (defaults when None)."""
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
         known = ", ".join(sorted(_REGISTRY))
         raise ConfigError(f"model_family: unknown family '{name}' (known: {known}){hint}")
-    return _REGISTRY[name]()
+    return _REGISTRY[name](cfg)
 
 
 def family_names() -> list[str]:
@@ -33,7 +37,16 @@ def family_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-# Importing a family module registers it.
-from kit.families import sd15  # noqa: E402,F401
+def _import_all() -> None:
+    """Import every module of this package: each family file registers itself on import."""
+    import importlib
+    import pkgutil
 
-__all__ = ["Components", "Family", "family_names", "get_family", "register"]
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name != "base":
+            importlib.import_module(f"{__name__}.{mod.name}")
+
+
+_import_all()
+
+__all__ = ["Components", "Family", "NoiseDraw", "family_names", "get_family", "register"]

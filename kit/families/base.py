@@ -1,4 +1,9 @@
-"""The model-family seam: everything the trainer, estimator and notebooks ask of a model."""
+"""The model-family seam: everything the trainer, estimator and notebooks ask of a model.
+
+A family answers a small fixed set of questions (load, encode, noise, predict, sample, export,
+tiny copy). The training loop, the notebooks and the estimator call these and never branch on a
+family's name.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,16 @@ import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from kit.config import Config
+    from kit.validate import ImageSpec
 
 
 @dataclass
@@ -29,6 +40,17 @@ class Components:
     def frozen_modules(self) -> list[nn.Module]:
         """Every module of the base model."""
         return [self.denoiser, self.vae, *self.text_encoders]
+
+
+@dataclass
+class NoiseDraw:
+    """One training draw: what the denoiser sees and what it should output."""
+
+    noisy: torch.Tensor
+    timesteps: torch.Tensor
+    target: torch.Tensor
+    weight: torch.Tensor | None = None
+    """Per-sample loss weight (e.g. a flow-matching density correction); None means 1."""
 
 
 class Family(ABC):
@@ -50,6 +72,19 @@ class Family(ABC):
     """The diffusers pipeline class that samples this family (and saves its LoRA files)."""
     pipeline_kwargs: dict[str, Any] = {}
     """Extra `from_pretrained` arguments for that pipeline."""
+    lora_layers_kwarg: str = "unet_lora_layers"
+    """Keyword of the pipeline's `save_lora_weights` that takes the denoiser's LoRA weights."""
+    export_formats: tuple[str, ...] = ("diffusers", "kohya")
+    """Export formats this family writes."""
+    video: bool = False
+    """True when samples are clips (channels, frames, height, width) rather than images."""
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        from kit.config import Config
+
+        self.cfg = cfg if cfg is not None else Config()
+
+    # ------------------------------------------------------------ loading
 
     @abstractmethod
     def load(
@@ -63,12 +98,30 @@ class Family(ABC):
         """Load the base model's parts with diffusers / transformers `from_pretrained`."""
 
     @abstractmethod
+    def load_tokenizers(self, pretrained: str) -> dict[str, Any]:
+        """Text encoder name → its tokenizer (cheap: no weights)."""
+
+    def token_limit(self, encoder: str, tokenizer: Any) -> int:
+        """Tokens the family feeds this encoder (special tokens included); the rest is cut off."""
+        return int(tokenizer.model_max_length)
+
+    # ------------------------------------------------------------ encoding
+
+    @abstractmethod
     def encode_text(self, comps: Components, captions: list[str]) -> dict[str, torch.Tensor]:
         """Per-caption conditioning tensors (batch first), ready to cache."""
 
     @abstractmethod
     def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
-        """Scaled latents of images in [-1, 1], shape (B, 3, H, W)."""
+        """Scaled latents of images in [-1, 1], shape (B, 3, H, W) (or (B, 3, F, H, W) for video)."""
+
+    # ------------------------------------------------------------ training
+
+    @abstractmethod
+    def noise_and_target(
+        self, comps: Components, latents: torch.Tensor, generator: torch.Generator
+    ) -> NoiseDraw:
+        """Draw timesteps and noise; the noisy latents and the regression target."""
 
     @abstractmethod
     def predict(
@@ -78,20 +131,40 @@ class Family(ABC):
         timesteps: torch.Tensor,
         cond: dict[str, torch.Tensor],
     ) -> torch.Tensor:
-        """The denoiser's output for noisy latents."""
+        """The denoiser's output for noisy latents.
 
-    @abstractmethod
-    def noise_and_target(
-        self,
-        comps: Components,
-        latents: torch.Tensor,
-        generator: torch.Generator,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draw timesteps and noise; return (noisy latents, timesteps, regression target)."""
+        `cond` holds the cached text tensors and, per sample, `original_size` (h, w),
+        `crop_top_left` (top, left) and `target_size` (h, w) as recorded by bucketing.
+        """
+
+    # ------------------------------------------------------------ sampling
 
     @abstractmethod
     def pipeline(self, comps: Components) -> Any:
         """A diffusers pipeline that samples with these parts."""
+
+    def call_kwargs(self, spec: ImageSpec) -> dict[str, Any]:
+        """The keyword arguments of the pipeline call that draws `spec` (recorded in sidecars)."""
+        kwargs: dict[str, Any] = {
+            "prompt": spec.prompt,
+            "negative_prompt": spec.negative_prompt or None,
+            "num_inference_steps": spec.num_inference_steps,
+            "guidance_scale": spec.guidance_scale,
+            "width": spec.width,
+            "height": spec.height,
+        }
+        if spec.adapter_scale != 1.0:
+            kwargs["cross_attention_kwargs"] = {"scale": spec.adapter_scale}
+        return kwargs
+
+    def sample(self, pipe: Any, spec: ImageSpec) -> list[Image.Image]:
+        """Draw `spec`: one image, or the frames of a clip."""
+        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+        with torch.no_grad():
+            out = pipe(**self.call_kwargs(spec), generator=generator)
+        return [out.images[0]]
+
+    # ------------------------------------------------------------ memory estimate
 
     @abstractmethod
     def empty_parts(self, pretrained: str) -> dict[str, nn.Module]:
@@ -103,9 +176,13 @@ class Family(ABC):
     ) -> tuple[tuple, dict[str, Any]]:
         """Meta-device arguments for one denoiser forward at this image size."""
 
+    # ------------------------------------------------------------ tiny copy
+
     @abstractmethod
     def make_tiny(self, out_dir: str | Path, seed: int = 0) -> Path:
         """Write a tiny random-init copy of this architecture in diffusers layout."""
+
+    # ------------------------------------------------------------ export
 
     def save_diffusers_lora(
         self, state: dict[str, torch.Tensor], adapter_config: dict[str, Any], out_dir: Path
@@ -115,10 +192,13 @@ class Family(ABC):
         from diffusers.utils import convert_state_dict_to_diffusers
 
         cls = getattr(diffusers, self.pipeline_class)
+        meta_kwarg = self.lora_layers_kwarg.replace("_lora_layers", "_lora_adapter_metadata")
         cls.save_lora_weights(
             out_dir,
-            unet_lora_layers=convert_state_dict_to_diffusers(state),
-            unet_lora_adapter_metadata=adapter_config,
+            **{
+                self.lora_layers_kwarg: convert_state_dict_to_diffusers(state),
+                meta_kwarg: adapter_config,
+            },
             safe_serialization=True,
         )
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
@@ -132,17 +212,6 @@ class Family(ABC):
         for k in out:
             if k.endswith(".alpha"):
                 out[k] = torch.tensor(float(alpha))
-        return out
-
-    def token_counts(self, comps: Components, captions: list[str]) -> list[dict[str, int]]:
-        """Tokens per caption and tokenizer, with each tokenizer's limit."""
-        out = []
-        for caption in captions:
-            row = {}
-            for i, tok in enumerate(comps.tokenizers):
-                row[f"tokens_{i}"] = len(tok(caption).input_ids)
-                row[f"limit_{i}"] = tok.model_max_length
-            out.append(row)
         return out
 
 
@@ -166,7 +235,7 @@ def weights_identity(source: str, subfolder: str, config: dict, revision: str | 
 
 def ddpm_noise_and_target(
     scheduler: Any, latents: torch.Tensor, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> NoiseDraw:
     """Uniform timesteps and Gaussian noise for DDPM-style models; epsilon or v target."""
     b = latents.shape[0]
     # Draw on the CPU generator so a run is the same on any device.
@@ -182,4 +251,39 @@ def ddpm_noise_and_target(
         target = scheduler.get_velocity(latents, noise, timesteps)
     else:
         raise ValueError(f"unsupported prediction_type {kind!r}")
-    return noisy, timesteps, target
+    return NoiseDraw(noisy, timesteps, target)
+
+
+def flow_noise_and_target(
+    latents: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    sampling: str = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    shift: float = 1.0,
+    num_train_timesteps: int = 1000,
+) -> NoiseDraw:
+    """Rectified-flow draw: x_t = (1 - σ) x0 + σ ε, target ε - x0; σ sampled as configured.
+
+    `sampling`: `uniform`, `logit_normal` (SD3's default) or `mode` (SD3 paper's mode sampling);
+    `shift` > 1 moves σ towards the noisy end, as the schedulers do at sampling time.
+    """
+    b = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    noise = noise.to(latents.device, latents.dtype)
+    if sampling == "logit_normal":
+        u = torch.sigmoid(logit_mean + logit_std * torch.randn(b, generator=generator))
+    elif sampling == "mode":
+        u = torch.rand(b, generator=generator)
+        u = 1 - u - mode_scale * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)
+    elif sampling == "uniform":
+        u = torch.rand(b, generator=generator)
+    else:
+        raise ValueError(f"unknown timestep sampling {sampling!r}")
+    sigma = shift * u / (1 + (shift - 1) * u)
+    sigma = sigma.to(latents.device)
+    s = sigma.view(b, *([1] * (latents.ndim - 1))).to(latents.dtype)
+    noisy = (1 - s) * latents + s * noise
+    return NoiseDraw(noisy, sigma * num_train_timesteps, noise - latents)

@@ -69,6 +69,11 @@ class SD15(Family):
     def predict(self, comps, noisy, timesteps, cond):
         return comps.denoiser(noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"]).sample
 
+    def load_tokenizers(self, pretrained):
+        from transformers import CLIPTokenizer
+
+        return {"text_encoder": CLIPTokenizer.from_pretrained(pretrained, subfolder="tokenizer")}
+
     def noise_and_target(self, comps, latents, generator):
         return ddpm_noise_and_target(comps.noise_scheduler, latents, generator)
 

@@ -1,0 +1,165 @@
+"""One contract suite, run over every registered model family on its tiny offline copy.
+
+A new family passes by adding its file under kit/families/; nothing here names a family.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kit import checkpoint as ckpt
+from kit.config import load_config
+from kit.export import export
+from kit.families import family_names, get_family
+from kit.train import train
+from tests.conftest import EXAMPLE, write_config
+
+FAMILIES = family_names()
+
+# Plain diffusers, no kit: redraw a validation sample from its sidecar and an exported file.
+REPRODUCE = textwrap.dedent(
+    """
+    import json, sys
+    import diffusers, numpy as np, torch
+    from PIL import Image
+
+    sidecar, lora = sys.argv[1], sys.argv[2]
+    spec = json.load(open(sidecar))
+    pipe = getattr(diffusers, spec["pipeline"]).from_pretrained(spec["base_model"], **spec.get("pipeline_kwargs", {}))
+    pipe.load_lora_weights(lora)
+    out = pipe(**spec["call_kwargs"], generator=torch.Generator(spec["generator_device"]).manual_seed(spec["seed"]))
+    if hasattr(out, "frames"):
+        frames = [Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) if not isinstance(f, Image.Image) else f for f in out.frames[0]]
+    else:
+        frames = [out.images[0]]
+    w, h = frames[0].size
+    strip = Image.new("RGB", (w * len(frames), h))
+    for i, f in enumerate(frames):
+        strip.paste(f, (i * w, 0))
+    kits = np.asarray(Image.open(sidecar[: -len(".json")] + ".png").convert("RGB"), dtype=int)
+    print(int(np.abs(np.asarray(strip, dtype=int) - kits).max()))
+    """
+)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_run(request, tmp_path_factory):
+    """Per family: a tiny base, a dataset of its kind, and a config for a short run."""
+    name = request.param
+    family = get_family(name)
+    tmp = tmp_path_factory.mktemp(name)
+    base = family.make_tiny(tmp / "base", seed=0)
+    data = tmp / "data"
+    if family.video:
+        from kit.toyworld import write_example_clips
+
+        write_example_clips(data, n=4, frames=9, seed=0)
+    else:
+        import shutil
+
+        shutil.copytree(EXAMPLE / "images", data)
+    fields = {
+        "model_family": name,
+        "pretrained_model": str(base),
+        "image_dir": str(data),
+        "cache_dir": str(tmp / "cache"),
+        "trigger_words": ["zorbstar"],
+        "resolution": 64,
+        "bucket_step": 32,
+        "num_frames": 5,
+        "lora_rank": 4,
+        "lora_alpha": 2,
+        "learning_rate": 1e-2,
+        "train_batch_size": 2,
+        "max_train_steps": 4,
+        "checkpointing_steps": 2,
+        "validation_steps": 0,
+        "validation_prompt": ["a large red zorbstar"],
+        "validation_seeds": [3],
+        "validation_num_inference_steps": 2,
+        "validation_guidance_scale": 3.0,
+        "report_to": "none",
+    }
+    return name, tmp, fields
+
+
+def _config(tmp, fields, run: str, **overrides):
+    path = write_config(tmp / f"{run}.json", **{**fields, "output_dir": str(tmp / run), **overrides})
+    return load_config(path)
+
+
+def test_tiny_model_loads_with_its_pipeline_class(family_run):
+    import diffusers
+
+    name, tmp, fields = family_run
+    family = get_family(name)
+    pipe = getattr(diffusers, family.pipeline_class).from_pretrained(
+        fields["pretrained_model"], **family.pipeline_kwargs
+    )
+    assert type(pipe).__name__ == family.pipeline_class
+    comps = family.load(fields["pretrained_model"])
+    assert comps.identity and all(comps.identity.values())
+    tokenizers = family.load_tokenizers(fields["pretrained_model"])
+    assert len(tokenizers) == len(comps.text_encoders)
+
+
+def test_trains_resumes_exports_and_reproduces(family_run):
+    name, tmp, fields = family_run
+    straight = train(_config(tmp, fields, "straight"))
+    assert straight.step == 4
+    rows = [json.loads(x) for x in (tmp / "straight/logs/metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "straight", 4) / ckpt.ADAPTER_FILE))
+    assert any("lora_B" in k and w.abs().sum() > 0 for k, w in weights.items()), "adapter unchanged"
+
+    # 2 steps, stop, resume, 2 more: the same adapter, bit for bit.
+    split = _config(tmp, fields, "split")
+    train(split.replace(max_train_steps=2))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "split", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+    family = get_family(name)
+    for fmt in family.export_formats:
+        result = export(tmp / "straight", fmt)
+        assert result.verification.passed, (fmt, result.verification)
+
+    lora = tmp / "straight/exports/diffusers/pytorch_lora_weights.safetensors"
+    sidecar = next((tmp / "straight/validation/step-000004").glob("*.json"))
+    out = subprocess.run(
+        [sys.executable, "-c", REPRODUCE, str(sidecar), str(lora)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.strip().splitlines()[-1]) <= 2
+
+
+def test_memory_estimate_traces_the_architecture(family_run):
+    from kit.memory import estimate
+
+    name, tmp, fields = family_run
+    est = estimate(_config(tmp, fields, "estimate"))
+    assert est.components["activations"] > 0
+    assert est.components["denoiser_weights"] > 0
+    assert est.settings["trainable_params"] > 0
+    bigger = estimate(_config(tmp, fields, "estimate"), resolution=128)
+    assert bigger.components["activations"] > est.components["activations"]
+
+
+def test_token_counts_per_text_encoder(family_run):
+    from kit.captions import caption_report
+
+    name, tmp, fields = family_run
+    rep = caption_report(_config(tmp, fields, "captions"))
+    tokens = rep["tokens"]
+    assert set(tokens) == set(get_family(name).load_tokenizers(fields["pretrained_model"]))
+    for per_encoder in tokens.values():
+        assert per_encoder["max"] > 0 and per_encoder["truncated"] == 0
