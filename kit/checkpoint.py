@@ -17,6 +17,8 @@ from kit.errors import KitError
 
 MARKER = "COMPLETE"
 ADAPTER_FILE = "adapter.safetensors"
+EMA_FILE = "adapter_ema.safetensors"
+_CORE = {"optimizer", "scheduler", "rng"}
 _NAME = re.compile(r"^step-(\d+)$")
 
 
@@ -83,8 +85,14 @@ def save_checkpoint(
     generator: torch.Generator,
     progress: dict[str, Any],
     keep: int = 0,
+    extras: dict[str, Any] | None = None,
+    ema_weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write the full state of `step`; the folder appears only once complete."""
+    """Write the full state of `step`; the folder appears only once complete.
+
+    `extras` are further states (EMA, gradient scaler), each saved as `<name>.pt`;
+    `ema_weights` are the averaged trained weights, saved beside the raw ones.
+    """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -93,6 +101,10 @@ def save_checkpoint(
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng_state(generator), tmp / "rng.pt")
+    for name, state in (extras or {}).items():
+        torch.save(state, tmp / f"{name}.pt")
+    if ema_weights is not None:
+        save_file(ema_weights, str(tmp / EMA_FILE))
     (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
     (tmp / MARKER).write_text(str(step))
     if final.exists():
@@ -105,11 +117,23 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint folder back into memory."""
+    """Read a checkpoint folder back into memory (extras under `extras`)."""
     return {
         "adapter": load_file(str(path / ADAPTER_FILE)),
+        "ema_weights": load_file(str(path / EMA_FILE)) if (path / EMA_FILE).is_file() else None,
         "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
         "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
         "rng": torch.load(path / "rng.pt", weights_only=False),
         "progress": json.loads((path / "progress.json").read_text()),
+        "extras": {
+            f.stem: torch.load(f, weights_only=False)
+            for f in sorted(path.glob("*.pt"))
+            if f.stem not in _CORE
+        },
     }
+
+
+def exported_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights to export from a checkpoint: the EMA average when there is one."""
+    ema = path / EMA_FILE
+    return load_file(str(ema if ema.is_file() else path / ADAPTER_FILE))

@@ -93,22 +93,49 @@ class DataConfig:
 
 @dataclass
 class NetworkConfig:
-    network_type: Literal["lora"] = "lora"
-    """What is trained: `lora` adds low-rank adapters to the denoiser."""
+    network_type: Literal["lora", "loha", "lokr", "dora", "full", "textual_inversion"] = "lora"
+    """What is trained: adapters (`lora`, `loha`, `lokr`, `dora`), the whole denoiser (`full`),
+    or new token embeddings (`textual_inversion`)."""
     lora_rank: int = 16
-    """Rank of each LoRA update."""
+    """Rank of each adapter update (LoRA, DoRA, LoHa, LoKr)."""
     lora_alpha: float | None = None
-    """LoRA scale numerator (update scale = alpha / rank); empty means alpha = rank."""
+    """Adapter scale numerator (update scale = alpha / rank); empty means alpha = rank."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input during training."""
+    """Dropout on the LoRA / DoRA input during training."""
+    use_dora: bool = False
+    """Weight-decomposed LoRA (DoRA); the same as `network_type: dora`."""
+    lokr_factor: int = -1
+    """LoKr Kronecker factor; -1 picks the most balanced factorisation."""
+    lokr_decompose_both: bool = False
+    """LoKr: also decompose the smaller Kronecker factor into low rank."""
+    module_dropout: float = 0.0
+    """LoHa / LoKr: probability of skipping a whole adapted module in a training step."""
     lora_target_modules: list[str] = field(default_factory=list)
     """Module names to adapt; empty takes the model family's defaults (attention projections)."""
+    only_if_contains: list[str] = field(default_factory=list)
+    """Adapt only modules whose full name contains one of these substrings."""
+    ignore_if_contains: list[str] = field(default_factory=list)
+    """Never adapt modules whose full name contains one of these (wins over `only_if_contains`)."""
+    train_text_encoder: bool = False
+    """`full`: train the (first) text encoder too."""
+    placeholder_tokens: list[str] = field(default_factory=list)
+    """`textual_inversion`: the new token(s) to learn, e.g. `<zorb>`."""
+    initializer_token: str = ""
+    """`textual_inversion`: an existing single-token word whose embedding starts the new ones."""
 
     def __post_init__(self) -> None:
         if self.lora_rank < 1:
             raise ConfigError(f"lora_rank: {self.lora_rank} must be at least 1")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"lora_dropout: {self.lora_dropout} must be in [0, 1)")
+        if not 0.0 <= self.module_dropout < 1.0:
+            raise ConfigError(f"module_dropout: {self.module_dropout} must be in [0, 1)")
+        if self.network_type == "textual_inversion" and not (
+            self.placeholder_tokens and self.initializer_token
+        ):
+            raise ConfigError(
+                "network_type textual_inversion needs placeholder_tokens and initializer_token"
+            )
 
 
 @dataclass
@@ -127,12 +154,27 @@ class ObjectiveConfig:
     """σ shift for flow matching (>1 favours noisy steps); 0 takes the family's rule."""
     train_guidance_scale: float = 1.0
     """Guidance value given to guidance-distilled models (Flux dev's guidance embedding) in training."""
+    min_snr_gamma: float = 0.0
+    """Min-SNR-γ loss weighting for epsilon / v models (5 is usual); 0 turns it off."""
+    noise_offset: float = 0.0
+    """Offset noise strength (0.05–0.1 helps very dark or bright images); 0 turns it off."""
+    caption_dropout: float = 0.0
+    """Share of samples trained on the empty caption's embedding (helps guidance); 0 turns it off."""
+    ema_decay: float = 0.0
+    """Keep an exponential moving average of the trained weights with this decay (e.g. 0.999)."""
+    ema_on_cpu: bool = False
+    """Hold the EMA copy in CPU memory instead of on the GPU."""
 
     def __post_init__(self) -> None:
         if self.logit_std <= 0:
             raise ConfigError(f"logit_std: {self.logit_std} must be positive")
         if self.flow_shift < 0:
             raise ConfigError(f"flow_shift: {self.flow_shift} must be 0 (family default) or positive")
+        for name in ("caption_dropout", "ema_decay"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name}: {getattr(self, name)} must be in [0, 1)")
+        if self.min_snr_gamma < 0 or self.noise_offset < 0:
+            raise ConfigError("min_snr_gamma and noise_offset must be 0 (off) or positive")
 
 
 @dataclass
@@ -150,10 +192,19 @@ class TrainConfig:
         "cosine",
         "cosine_with_restarts",
         "polynomial",
+        "piecewise_constant",
     ] = "constant"
     """Learning-rate schedule (diffusers `get_scheduler`)."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up."""
+    lr_num_cycles: int = 1
+    """Hard restarts of `cosine_with_restarts`."""
+    lr_power: float = 1.0
+    """Power of the `polynomial` decay."""
+    lr_step_rules: str = ""
+    """`piecewise_constant` rules, e.g. `1:10,0.1:20,0.01` (multiplier:until step, …, last)."""
+    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = "adamw"
+    """AdamW; AdamW 8-bit (bitsandbytes, CUDA); Adafactor; Prodigy (pip install prodigyopt)."""
     train_batch_size: int = 1
     """Images per batch (per process)."""
     gradient_accumulation_steps: int = 1
@@ -182,6 +233,18 @@ class TrainConfig:
     """Log loss, learning rate and gradient norm every this many steps."""
     report_to: Literal["tensorboard", "none"] = "tensorboard"
     """Tracker for metrics besides the JSONL log."""
+    grad_scaler_init_scale: float = 65536.0
+    """fp16: initial loss scale of the gradient scaler."""
+    grad_scaler_growth_factor: float = 2.0
+    """fp16: the scale grows by this factor after `grad_scaler_growth_interval` good steps."""
+    grad_scaler_backoff_factor: float = 0.5
+    """fp16: the scale shrinks by this factor after an overflow."""
+    grad_scaler_growth_interval: int = 2000
+    """fp16: good steps between scale increases."""
+    stable_loss_steps: int = 0
+    """Every this many steps, log the loss on fixed samples with fixed noise (0: off)."""
+    stable_loss_samples: int = 4
+    """Training samples used for the stable loss."""
 
     def __post_init__(self) -> None:
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
@@ -209,6 +272,9 @@ class ValidationConfig:
     """Classifier-free guidance scale."""
     validation_resolution: int = 0
     """Side of the square validation images; 0 uses `resolution`."""
+    validation_image_dir: str = field(default="", metadata=PATH)
+    """Held-out images with captions (same layout as `image_dir`); their loss is logged with the
+    stable loss."""
 
 
 @dataclass

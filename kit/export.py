@@ -20,7 +20,7 @@ from kit.config import load_config
 from kit.errors import KitError
 from kit.families import get_family
 from kit.io import write_json, write_with
-from kit.network import lora_config
+from kit.network import adapter_config, alpha_and_rank
 from kit.runs import RunDir, open_run
 from kit.validate import ImageSpec, frame_strip, read_sidecar
 
@@ -74,16 +74,16 @@ def export(
     source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
     if source is None:
         raise KitError(f"{run.root} has no complete checkpoint to export")
-    state = ckpt.load_checkpoint(source)
-    step = state["progress"]["step"]
-    adapter = {k: v.to(DTYPES[dtype]) for k, v in state["adapter"].items()}
-    lcfg = lora_config(cfg, family)
+    step = json.loads((source / "progress.json").read_text())["step"]
+    adapter = {k: v.to(DTYPES[dtype]) for k, v in ckpt.exported_weights(source).items()}
+    lcfg = adapter_config(cfg, family, family.empty_parts(cfg.model.pretrained_model)["denoiser"])
+    alpha, rank = alpha_and_rank(lcfg)
     meta = {
         "kit.base_model": cfg.model.pretrained_model,
         "kit.model_family": family.name,
         "kit.network_type": cfg.network.network_type,
-        "kit.rank": str(lcfg.r),
-        "kit.alpha": str(lcfg.lora_alpha),
+        "kit.rank": str(rank),
+        "kit.alpha": str(alpha),
         "kit.trigger_words": json.dumps(cfg.data.trigger_words),
         "kit.steps": str(step),
         "kit.resolution": str(cfg.data.resolution),
@@ -93,7 +93,7 @@ def export(
     if fmt == "diffusers":
         path = _write_diffusers(family, adapter, lcfg, meta, out)
     else:
-        path = _write_kohya(family, adapter, lcfg, meta, cfg, step, out)
+        path = _write_kohya(family, adapter, alpha, rank, meta, cfg, step, out)
     verification = None
     if verify:
         verification = verify_export(run, path, step, tolerance=tolerance)
@@ -117,14 +117,14 @@ def _write_diffusers(family, adapter, lcfg, meta, out: Path) -> Path:
     return path
 
 
-def _write_kohya(family, adapter, lcfg, meta, cfg, step: int, out: Path) -> Path:
-    tensors = family.kohya_state_dict(adapter, lcfg.lora_alpha)
+def _write_kohya(family, adapter, alpha, rank, meta, cfg, step: int, out: Path) -> Path:
+    tensors = family.kohya_state_dict(adapter, alpha)
     name = Path(cfg.train.output_dir).name or "lora"
     metadata = {
         **meta,
         "ss_network_module": "networks.lora",
-        "ss_network_dim": str(lcfg.r),
-        "ss_network_alpha": str(lcfg.lora_alpha),
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(alpha),
         "ss_base_model_version": family.base_model_version,
         "ss_steps": str(step),
         "ss_output_name": name,

@@ -11,7 +11,7 @@ from torch import nn
 
 from kit.config import Config
 from kit.families import get_family
-from kit.network import lora_config
+from kit.network import adapter_config, trainable_parameters
 
 GIB = 2**30
 GPUS = {
@@ -56,16 +56,6 @@ class Estimate:
 
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-
-
-def _lora_params(module: nn.Module, targets: list[str], rank: int) -> int:
-    total = 0
-    for name, m in module.named_modules():
-        if isinstance(m, nn.Linear) and any(
-            name == t or name.endswith("." + t) for t in targets
-        ):
-            total += rank * (m.in_features + m.out_features)
-    return total
 
 
 def _activation_bytes(
@@ -123,12 +113,14 @@ def estimate(
     precision = mixed_precision or cfg.train.mixed_precision
     wbytes = 2 if precision in ("fp16", "bf16") else 4
     denoiser = parts.pop("denoiser")
-    lcfg = lora_config(cfg, family)
-    trainable = _lora_params(denoiser, list(lcfg.target_modules), lcfg.r)
+    base_params = _params(denoiser)
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(adapter_config(cfg, family, denoiser))  # on meta: shapes only
+    trainable = sum(p.numel() for p in trainable_parameters(denoiser))
     args, kwargs = family.denoiser_inputs({"denoiser": denoiser, **parts}, batch, res, res)
     act = _activation_bytes(denoiser, args, kwargs, wbytes, ckpt)
     comps = {
-        "denoiser_weights": _params(denoiser) * wbytes,
+        "denoiser_weights": base_params * wbytes,
         **{f"{name}_weights": _params(m) * wbytes for name, m in parts.items()},
         "trainable_weights": trainable * 4,
         "gradients": trainable * 4,

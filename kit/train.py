@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -26,6 +27,8 @@ from kit.network import (
     load_adapter_state_dict,
     trainable_parameters,
 )
+from kit.objective import EMA, FixedLoss, denoising_loss, drop_captions
+from kit.optim import make_optimizer, make_scheduler
 from kit.runs import RunDir
 from kit.validate import default_prompts, image_specs, run_validation
 
@@ -77,6 +80,33 @@ def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, 
     return family, comps
 
 
+def _accelerator(cfg: Config, run: RunDir) -> tuple[Any, str]:
+    """accelerate's Accelerator for this run, and the precision actually used."""
+    from accelerate import Accelerator
+    from accelerate.utils import GradScalerKwargs, ProjectConfiguration
+
+    t = cfg.train
+    precision = resolve_precision(t.mixed_precision)
+    handlers = []
+    if precision == "fp16":
+        handlers.append(
+            GradScalerKwargs(
+                init_scale=t.grad_scaler_init_scale,
+                growth_factor=t.grad_scaler_growth_factor,
+                backoff_factor=t.grad_scaler_backoff_factor,
+                growth_interval=t.grad_scaler_growth_interval,
+            )
+        )
+    accelerator = Accelerator(
+        mixed_precision=precision,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        log_with=None if t.report_to == "none" else t.report_to,
+        project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.logs)),
+        kwargs_handlers=handlers,
+    )
+    return accelerator, precision
+
+
 def train(
     cfg: Config,
     *,
@@ -86,19 +116,10 @@ def train(
     callbacks: list[Callback] | tuple[Callback, ...] = (),
 ) -> TrainResult:
     """Train the configured network; `resume="latest"` continues the newest checkpoint."""
-    from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration
-    from diffusers.optimization import get_scheduler
-
-    t = cfg.train
+    t, o = cfg.train, cfg.objective
     run = RunDir(Path(t.output_dir))
-    precision = resolve_precision(t.mixed_precision)
-    accelerator = Accelerator(
-        mixed_precision=precision,
-        gradient_accumulation_steps=t.gradient_accumulation_steps,
-        log_with=None if t.report_to == "none" else t.report_to,
-        project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.logs)),
-    )
+    accelerator, precision = _accelerator(cfg, run)
+    device = accelerator.device
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision, torch.float32)
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
@@ -107,8 +128,10 @@ def train(
     torch.manual_seed(t.seed)  # adapter initialisation
     family, comps = load_base(cfg)
     for m in comps.frozen_modules():
-        m.to(accelerator.device, dtype=weight_dtype)
-    data = build_cache(cfg, family, comps, accelerator.device)
+        m.to(device, dtype=weight_dtype)
+    data = build_cache(cfg, family, comps, device)
+    holdout = _holdout(cfg, family, comps, device)
+    empty_text = {k: v[0].float().cpu() for k, v in family.encode_text(comps, [""]).items()}
     _check_resume(run, cfg, data, resume_from, force)
     if overwrite and not resume and accelerator.is_main_process:
         _clear_run(run)
@@ -116,28 +139,19 @@ def train(
     summary = attach(cfg, family, comps)
     unet = comps.denoiser
     for p in trainable_parameters(unet):
-        p.data = p.data.float()  # adapters train in fp32 whatever the base's dtype
+        p.data = p.data.float()  # trained weights stay fp32 whatever the base's dtype
     if t.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
     params = list(trainable_parameters(unet))
-    optimizer = torch.optim.AdamW(
-        params,
-        lr=t.learning_rate,
-        betas=(t.adam_beta1, t.adam_beta2),
-        weight_decay=t.adam_weight_decay,
-        eps=t.adam_epsilon,
-    )
-    n = accelerator.num_processes  # accelerate steps the schedule once per process
-    lr_scheduler = get_scheduler(
-        t.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=t.lr_warmup_steps * n,
-        num_training_steps=t.max_train_steps * n,
-    )
+    optimizer = make_optimizer(params, t)
+    lr_scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     comps.denoiser = unet  # the family calls whatever accelerate wrapped
+    ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
     generator = torch.Generator().manual_seed(t.seed)
+    fixed = FixedLoss(data, t.stable_loss_samples, t.train_batch_size, t.seed + 1)
+    fixed_holdout = FixedLoss(holdout, len(holdout.samples), t.train_batch_size, t.seed + 2) if holdout else None
 
     step, epoch, position = 0, 0, 0
     if resume_from is not None:
@@ -146,6 +160,10 @@ def train(
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"], generator)
+        if ema is not None and "ema" in state["extras"]:
+            ema.load_state_dict(state["extras"]["ema"])
+        if accelerator.scaler is not None and "scaler" in state["extras"]:
+            accelerator.scaler.load_state_dict(state["extras"]["scaler"])
         step, epoch, position = (state["progress"][k] for k in ("step", "epoch", "position"))
         if accelerator.is_main_process:
             _truncate_metrics(run, step)
@@ -165,8 +183,19 @@ def train(
     emit = _emitter(callbacks)
     emit(kind="start", step=step, max_steps=t.max_train_steps, network=summary, data=data.stats)
 
+    def ema_weights() -> dict[str, torch.Tensor] | None:
+        if ema is None:
+            return None
+        with ema.swapped_in(params):
+            return adapter_state_dict(accelerator.unwrap_model(unet))
+
     def save(at_step: int) -> Path:
         progress = {"step": at_step, "epoch": epoch, "position": position, **_fingerprint(cfg, data)}
+        extras: dict[str, Any] = {}
+        if ema is not None:
+            extras["ema"] = ema.state_dict()
+        if accelerator.scaler is not None:
+            extras["scaler"] = accelerator.scaler.state_dict()
         path = ckpt.save_checkpoint(
             run.root,
             at_step,
@@ -176,15 +205,19 @@ def train(
             generator,
             progress,
             keep=t.checkpoints_total_limit,
+            extras=extras,
+            ema_weights=ema_weights(),
         )
         result.checkpoint = path
         emit(kind="checkpoint", step=at_step, path=path)
         return path
 
     def validate(at_step: int) -> Path:
+        # With EMA, the images show the averaged weights: the ones that get exported.
+        swap = ema.swapped_in(params) if ema is not None else contextlib.nullcontext()
         pipe = family.pipeline(replace(comps, denoiser=accelerator.unwrap_model(unet)))
         unet.eval()
-        with accelerator.autocast():
+        with swap, accelerator.autocast():
             grid = run_validation(
                 family,
                 pipe,
@@ -197,6 +230,15 @@ def train(
         emit(kind="validation", step=at_step, grid=grid)
         return grid
 
+    def fixed_losses() -> dict[str, float]:
+        unet.eval()
+        with accelerator.autocast():
+            out = {"stable_loss": fixed(family, comps, device)}
+            if fixed_holdout is not None:
+                out["validation_loss"] = fixed_holdout(family, comps, device)
+        unet.train()
+        return out
+
     result = TrainResult(run.root, step, resume_from)
     progress_bar = _progress(accelerator, step, t.max_train_steps)
     micro_losses: list[float] = []
@@ -207,8 +249,9 @@ def train(
             while position < len(batches) and step < t.max_train_steps:
                 batch = data.load_batch(batches[position])
                 position += 1
+                drop_captions(batch, empty_text, o.caption_dropout, generator)
                 with accelerator.accumulate(unet):
-                    loss = _loss(family, comps, batch, generator, accelerator.device)
+                    loss = denoising_loss(family, comps, batch, generator, device)
                     accelerator.backward(loss)
                     grad_norm = None
                     if accelerator.sync_gradients:
@@ -221,13 +264,12 @@ def train(
                 if not accelerator.sync_gradients:
                     continue
                 step += 1
+                if ema is not None:
+                    ema.step(params)
                 loss_value = sum(micro_losses) / len(micro_losses)
                 micro_losses.clear()
-                if not math.isfinite(loss_value):
-                    raise KitError(
-                        f"loss became {loss_value} at step {step}; lower learning_rate "
-                        f"or use mixed_precision=bf16/fp32 (now {precision})"
-                    )
+                scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
+                _guard_finite(loss_value, grad_norm, step, precision, scale, result.checkpoint)
                 row = {
                     "step": step,
                     "epoch": epoch,
@@ -236,12 +278,16 @@ def train(
                     "grad_norm": grad_norm,
                     "time": round(time.perf_counter() - started, 3),
                 }
-                if step % t.logging_steps == 0 or step == t.max_train_steps:
+                if scale is not None:
+                    row["loss_scale"] = scale
+                last = step == t.max_train_steps
+                if t.stable_loss_steps and (step % t.stable_loss_steps == 0 or last):
+                    row.update(fixed_losses())
+                if step % t.logging_steps == 0 or last or "stable_loss" in row:
                     _log(accelerator, run, row)
                 progress_bar.update(1)
                 progress_bar.set_postfix(loss=f"{loss_value:.4f}")
                 emit(kind="step", **row)
-                last = step == t.max_train_steps
                 if t.checkpointing_steps and step % t.checkpointing_steps == 0 and not last:
                     if accelerator.is_main_process:
                         save(step)
@@ -271,22 +317,34 @@ def train(
     return result
 
 
-def _loss(
-    family: Family,
-    comps: Components,
-    batch: dict[str, torch.Tensor],
-    generator: torch.Generator,
-    device: torch.device,
-) -> torch.Tensor:
-    """The denoising loss of one batch."""
-    batch = {k: v.to(device) for k, v in batch.items()}
-    latents = batch.pop("latents")
-    draw = family.noise_and_target(comps, latents, generator)
-    pred = family.predict(comps, draw.noisy, draw.timesteps, batch)
-    per_sample = (pred.float() - draw.target.float()).pow(2).flatten(1).mean(1)
-    if draw.weight is not None:
-        per_sample = per_sample * draw.weight.to(per_sample)
-    return per_sample.mean()
+def _holdout(cfg: Config, family: Family, comps: Components, device: Any) -> CachedDataset | None:
+    """Cached held-out images (`validation_image_dir`), or None."""
+    folder = cfg.validation.validation_image_dir
+    if not folder:
+        return None
+    return build_cache(cfg.replace(image_dir=folder, caption_dir=""), family, comps, device)
+
+
+def _guard_finite(
+    loss: float,
+    grad_norm: float | None,
+    step: int,
+    precision: str,
+    scale: float | None,
+    last_good: Path | None,
+) -> None:
+    """Stop on a non-finite loss (or, without a gradient scaler, a non-finite gradient)."""
+    bad_grad = grad_norm is not None and not math.isfinite(grad_norm) and scale is None
+    if math.isfinite(loss) and not bad_grad:
+        return
+    what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
+    scale_note = f", loss scale {scale:g}" if scale is not None else ""
+    keep = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
+    raise KitError(
+        f"{what} at step {step} (mixed_precision={precision}{scale_note}); {keep}. "
+        "Usual fixes: a lower learning_rate, max_grad_norm 1.0, bf16 instead of fp16, "
+        "or checking the data for broken images."
+    )
 
 
 def _fingerprint(cfg: Config, data: CachedDataset) -> dict[str, Any]:

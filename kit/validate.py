@@ -171,7 +171,7 @@ def draw_checkpoint(
         raise KitError(f"{run.root} has no complete checkpoint")
     family, comps = load_base(cfg)
     attach(cfg, family, comps)
-    load_adapter_state_dict(comps.denoiser, ckpt.load_checkpoint(source)["adapter"])
+    load_adapter_state_dict(comps.denoiser, ckpt.exported_weights(source))
     if prompts is None:
         captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
         prompts = default_prompts(cfg, captions)

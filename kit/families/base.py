@@ -143,6 +143,19 @@ class Family(ABC):
     def pipeline(self, comps: Components) -> Any:
         """A diffusers pipeline that samples with these parts."""
 
+    def ddpm_draw(
+        self, comps: Components, latents: torch.Tensor, generator: torch.Generator
+    ) -> NoiseDraw:
+        """`ddpm_noise_and_target` with the run's objective settings (for DDPM families)."""
+        o = self.cfg.objective
+        return ddpm_noise_and_target(
+            comps.noise_scheduler,
+            latents,
+            generator,
+            min_snr_gamma=o.min_snr_gamma,
+            noise_offset=o.noise_offset,
+        )
+
     def call_kwargs(self, spec: ImageSpec) -> dict[str, Any]:
         """The keyword arguments of the pipeline call that draws `spec` (recorded in sidecars)."""
         kwargs: dict[str, Any] = {
@@ -234,12 +247,24 @@ def weights_identity(source: str, subfolder: str, config: dict, revision: str | 
 
 
 def ddpm_noise_and_target(
-    scheduler: Any, latents: torch.Tensor, generator: torch.Generator
+    scheduler: Any,
+    latents: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    min_snr_gamma: float = 0.0,
+    noise_offset: float = 0.0,
 ) -> NoiseDraw:
-    """Uniform timesteps and Gaussian noise for DDPM-style models; epsilon or v target."""
+    """Uniform timesteps and Gaussian noise for DDPM-style models; epsilon or v target.
+
+    `noise_offset` adds a per-channel constant to the noise (offset noise); `min_snr_gamma`
+    weights each sample by min(SNR, γ) / SNR (epsilon) or min(SNR, γ) / (SNR + 1) (v).
+    """
     b = latents.shape[0]
     # Draw on the CPU generator so a run is the same on any device.
     noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+    if noise_offset > 0:
+        shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
+        noise = noise + noise_offset * torch.randn(shape, generator=generator)
     noise = noise.to(latents.device, latents.dtype)
     steps = scheduler.config.num_train_timesteps
     timesteps = torch.randint(0, steps, (b,), generator=generator).to(latents.device)
@@ -251,7 +276,13 @@ def ddpm_noise_and_target(
         target = scheduler.get_velocity(latents, noise, timesteps)
     else:
         raise ValueError(f"unsupported prediction_type {kind!r}")
-    return NoiseDraw(noisy, timesteps, target)
+    weight = None
+    if min_snr_gamma > 0:
+        alphas = scheduler.alphas_cumprod.to(torch.float32)[timesteps.cpu()]
+        snr = alphas / (1 - alphas)
+        clipped = torch.clamp(snr, max=min_snr_gamma)
+        weight = clipped / (snr + 1 if kind == "v_prediction" else snr)
+    return NoiseDraw(noisy, timesteps, target, weight)
 
 
 def flow_noise_and_target(

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import Components, Family, ddpm_noise_and_target, weights_identity
+from kit.families.base import Components, Family, weights_identity
 
 
 @register
@@ -75,7 +75,7 @@ class SD15(Family):
         return {"text_encoder": CLIPTokenizer.from_pretrained(pretrained, subfolder="tokenizer")}
 
     def noise_and_target(self, comps, latents, generator):
-        return ddpm_noise_and_target(comps.noise_scheduler, latents, generator)
+        return self.ddpm_draw(comps, latents, generator)
 
     def pipeline(self, comps):
         from diffusers import StableDiffusionPipeline

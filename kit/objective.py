@@ -1,0 +1,111 @@
+"""What training minimises: the denoising loss, caption dropout, fixed-noise losses and EMA."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from kit.families import Components, Family
+
+
+def denoising_loss(
+    family: Family,
+    comps: Components,
+    batch: dict[str, torch.Tensor],
+    generator: torch.Generator,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """Mean squared error between the denoiser's output and the family's target, weighted."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    latents = batch.pop("latents")
+    draw = family.noise_and_target(comps, latents, generator)
+    pred = family.predict(comps, draw.noisy, draw.timesteps, batch)
+    per_sample = (pred.float() - draw.target.float()).pow(2).flatten(1).mean(1)
+    if draw.weight is not None:
+        per_sample = per_sample * draw.weight.to(per_sample)
+    return per_sample.mean()
+
+
+def drop_captions(
+    batch: dict[str, torch.Tensor],
+    empty: dict[str, torch.Tensor],
+    rate: float,
+    generator: torch.Generator,
+) -> int:
+    """Replace a `rate` share of the batch's text tensors with the empty caption's; return how many."""
+    if rate <= 0:
+        return 0  # no draw: the random sequence stays as without dropout
+    n = batch["latents"].shape[0]
+    mask = torch.rand(n, generator=generator) < rate
+    for key, value in empty.items():
+        batch[key][mask] = value.to(batch[key].dtype)
+    return int(mask.sum())
+
+
+class FixedLoss:
+    """The loss on fixed samples with fixed noise and timesteps: comparable across steps.
+
+    Raw training loss jumps with each step's random noise and timestep; this one moves only
+    when the weights do.
+    """
+
+    def __init__(self, data: Any, count: int, batch_size: int, seed: int) -> None:
+        by_bucket: dict[Any, list[int]] = defaultdict(list)
+        for i, p in enumerate(data.plan.placements[:count]):
+            by_bucket[p.bucket].append(i)
+        self.data = data
+        self.seed = seed
+        self.batches = [
+            idx[j : j + batch_size] for idx in by_bucket.values() for j in range(0, len(idx), batch_size)
+        ]
+
+    @torch.no_grad()
+    def __call__(self, family: Family, comps: Components, device: torch.device | str) -> float:
+        generator = torch.Generator().manual_seed(self.seed)
+        total, count = 0.0, 0
+        for idx in self.batches:
+            batch = self.data.load_batch(idx)
+            total += float(denoising_loss(family, comps, batch, generator, device)) * len(idx)
+            count += len(idx)
+        return total / max(1, count)
+
+
+class EMA:
+    """An exponential moving average of the trained weights (diffusers' EMAModel), optionally
+    held in CPU memory between steps."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float, on_cpu: bool) -> None:
+        from diffusers.training_utils import EMAModel
+
+        self.on_cpu = on_cpu
+        self.model = EMAModel(params, decay=decay, min_decay=decay, use_ema_warmup=False)
+        if on_cpu:
+            self.model.to("cpu")
+
+    def step(self, params: list[torch.nn.Parameter]) -> None:
+        """Fold the current weights into the average."""
+        if self.on_cpu:
+            self.model.to(params[0].device)
+        self.model.step(params)
+        if self.on_cpu:
+            self.model.to("cpu")
+
+    @contextmanager
+    def swapped_in(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
+        """Within the block, `params` hold the averaged weights; afterwards their own again."""
+        self.model.store(params)
+        self.model.copy_to(params)
+        try:
+            yield
+        finally:
+            self.model.restore(params)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)

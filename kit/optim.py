@@ -1,0 +1,77 @@
+"""Optimizers and learning-rate schedules, from the libraries that implement them."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kit.config import TrainConfig
+from kit.errors import ConfigError
+
+
+def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
+    """The configured optimizer over `params`."""
+    betas = (t.adam_beta1, t.adam_beta2)
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(
+            params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay, eps=t.adam_epsilon
+        )
+    if t.optimizer == "adamw8bit":
+        if not torch.cuda.is_available():
+            raise ConfigError("optimizer adamw8bit needs a CUDA GPU (bitsandbytes); use adamw here")
+        try:
+            import bitsandbytes as bnb
+        except ImportError:
+            raise ConfigError("optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+        return bnb.optim.AdamW8bit(
+            params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay, eps=t.adam_epsilon
+        )
+    if t.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # A fixed learning rate, so the schedule and warm-up apply as configured.
+        return Adafactor(
+            params,
+            lr=t.learning_rate,
+            relative_step=False,
+            scale_parameter=False,
+            warmup_init=False,
+            weight_decay=t.adam_weight_decay,
+        )
+    if t.optimizer == "prodigy":
+        try:
+            from prodigyopt import Prodigy
+        except ImportError:
+            raise ConfigError("optimizer prodigy needs prodigyopt: pip install prodigyopt") from None
+        # Prodigy estimates the step size itself; learning_rate is a multiplier (1.0 is usual).
+        return Prodigy(params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay)
+    raise ConfigError(f"optimizer: unknown '{t.optimizer}'")
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, num_processes: int = 1) -> Any:
+    """The configured diffusers learning-rate schedule (accelerate steps it once per process)."""
+    from diffusers.optimization import get_scheduler
+
+    if t.lr_scheduler == "piecewise_constant" and not t.lr_step_rules:
+        raise ConfigError("lr_scheduler piecewise_constant needs lr_step_rules, e.g. '1:100,0.1'")
+    try:
+        return get_scheduler(
+            t.lr_scheduler,
+            optimizer=optimizer,
+            num_warmup_steps=t.lr_warmup_steps * num_processes,
+            num_training_steps=t.max_train_steps * num_processes,
+            num_cycles=t.lr_num_cycles,
+            power=t.lr_power,
+            step_rules=t.lr_step_rules or None,
+        )
+    except ValueError as e:
+        raise ConfigError(f"lr_scheduler {t.lr_scheduler}: {e}") from None
+
+
+def scale_learning_rate(learning_rate: float, from_batch: int, to_batch: int) -> float:
+    """Square-root scaling: the learning rate for an effective batch of `to_batch` samples."""
+    if from_batch < 1 or to_batch < 1:
+        raise ValueError("batch sizes must be at least 1")
+    return learning_rate * math.sqrt(to_batch / from_batch)
