@@ -62,7 +62,13 @@ def cmd_captions(args: argparse.Namespace) -> int:
         _print_json(rep)
         return 0
     print(f"{rep['images']} images, {rep['captioned']} captioned")
-    for key in ("missing_captions", "orphan_captions", "empty_captions", "unreadable", "duplicate_captions"):
+    for key in (
+        "missing_captions",
+        "orphan_captions",
+        "empty_captions",
+        "unreadable",
+        "duplicate_captions",
+    ):
         if rep[key]:
             print(f"{key}: {len(rep[key])} (first: {rep[key][0]})")
     print("most common words:", ", ".join(f"{w} ({n})" for w, n in rep["top_words"][:15]))
@@ -112,21 +118,63 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_network(args: argparse.Namespace) -> int:
+    from kit.network import preview
+
+    summary = preview(_config(args))
+    if args.json:
+        _print_json(
+            {
+                "kind": summary.kind,
+                "trainable": summary.trainable,
+                "total": summary.total,
+                "modules": summary.rows(),
+            }
+        )
+        return 0
+    for row in summary.rows():
+        print(f"{row['trainable']:>10,}  {row['module']}")
+    share = summary.trainable / max(1, summary.total)
+    print(
+        f"{summary.kind}: {len(summary.modules)} modules, {summary.trainable:,} trainable parameters ({share:.2%})"
+    )
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from kit.train import train
 
     result = train(_config(args), resume=args.resume, force=args.force, overwrite=args.overwrite)
-    print(f"{'stopped' if result.interrupted else 'finished'} at step {result.step}; run folder: {result.run_dir}")
+    print(
+        f"{'stopped' if result.interrupted else 'finished'} at step {result.step}; run folder: {result.run_dir}"
+    )
     return 130 if result.interrupted else 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from kit.export import export
+    from kit.config import load_config
+    from kit.export import export, formats_for
+    from kit.families import get_family
+    from kit.runs import open_run
 
-    for fmt in args.format:
-        r = export(args.run_dir, fmt, checkpoint=args.checkpoint, dtype=args.dtype, verify=not args.no_verify)
+    formats = args.format
+    if not formats:
+        cfg = load_config(open_run(args.run_dir).config)
+        formats = formats_for(cfg, get_family(cfg.model.model_family, cfg))
+    for fmt in formats:
+        r = export(
+            args.run_dir,
+            fmt,
+            checkpoint=args.checkpoint,
+            dtype=args.dtype,
+            verify=not args.no_verify,
+        )
         v = r.verification
-        check = f"verified on {v.images} image(s), max pixel difference {v.max_abs_diff}" if v else "not verified"
+        check = (
+            f"verified on {v.images} image(s), max pixel difference {v.max_abs_diff}"
+            if v
+            else "not verified"
+        )
         print(f"{fmt}: {r.path} (step {r.step}; {check})")
     return 0
 
@@ -149,12 +197,16 @@ def _literal(text: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    p = argparse.ArgumentParser(prog="kit", description="Fine-tune diffusion models on your own images.")
+    p = argparse.ArgumentParser(
+        prog="kit", description="Fine-tune diffusion models on your own images."
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_config(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("config", help="config file (JSON or YAML)")
-        sp.add_argument("-s", "--set", action="append", metavar="KEY=VALUE", help="override a config field")
+        sp.add_argument(
+            "-s", "--set", action="append", metavar="KEY=VALUE", help="override a config field"
+        )
 
     sp = sub.add_parser("env", help="check this machine: versions, devices, precision, disk")
     sp.add_argument("--json", action="store_true")
@@ -186,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_estimate)
 
+    sp = sub.add_parser("network", help="list the modules the network adapts, before training")
+    with_config(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_network)
+
     sp = sub.add_parser("train", help="train from a config")
     with_config(sp)
     sp.add_argument("--resume", metavar="latest|PATH", help="continue from a checkpoint")
@@ -195,7 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("export", help="export a run's adapter and verify it")
     sp.add_argument("run_dir")
-    sp.add_argument("--format", nargs="+", default=["diffusers"], choices=["diffusers", "kohya"])
+    sp.add_argument(
+        "--format",
+        nargs="+",
+        choices=["diffusers", "kohya", "embedding"],
+        help="default: every format the run's network and family offer",
+    )
     sp.add_argument("--checkpoint", help="checkpoint folder (default: the latest)")
     sp.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     sp.add_argument("--no-verify", action="store_true", help="skip the reload check")

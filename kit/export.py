@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,15 +16,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kit import checkpoint as ckpt
-from kit.config import load_config
+from kit.config import Config, load_config
 from kit.errors import KitError
-from kit.families import get_family
+from kit.families import Family, get_family
 from kit.io import write_json, write_with
-from kit.network import adapter_config, alpha_and_rank
+from kit.lycoris import merge_into, to_lycoris
+from kit.network import ADAPTERS, adapter_config, adapter_kind, alpha_and_rank
 from kit.runs import RunDir, open_run
 from kit.validate import ImageSpec, frame_strip, read_sidecar
 
-FORMATS = ("diffusers", "kohya")
+FORMATS = ("diffusers", "kohya", "embedding")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -41,12 +42,27 @@ class Verification:
 
 @dataclass
 class ExportResult:
-    """One exported file and its verification."""
+    """One exported file (or folder) and its verification."""
 
     format: str
     path: Path
     step: int
     verification: Verification | None
+
+
+def formats_for(cfg: Config, family: Family) -> tuple[str, ...]:
+    """The export formats of this run's network on this family.
+
+    LoRA and DoRA: the family's formats (diffusers; kohya where the family has that naming).
+    LoHa and LoKr: `kohya` (the LyCORIS keys, in the kohya naming). Full: a diffusers folder.
+    Textual inversion: an embedding file.
+    """
+    kind = adapter_kind(cfg) if cfg.network.network_type in ADAPTERS else cfg.network.network_type
+    if kind in ("lora", "dora"):
+        return family.export_formats
+    if kind in ("loha", "lokr"):
+        return tuple(f for f in family.export_formats if f == "kohya")
+    return {"full": ("diffusers",), "textual_inversion": ("embedding",)}[kind]
 
 
 def export(
@@ -59,45 +75,46 @@ def export(
     verify: bool = True,
     tolerance: int = 2,
 ) -> ExportResult:
-    """Write the adapter of a run's checkpoint in `fmt`; reload it and compare images."""
-    if fmt not in FORMATS:
-        raise KitError(f"unknown export format '{fmt}' (choose from {', '.join(FORMATS)})")
+    """Write what a run's checkpoint trained in `fmt`; reload it into plain diffusers and compare."""
     if dtype not in DTYPES:
         raise KitError(f"unknown export dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     run = open_run(run_dir)
     cfg = load_config(run.config)
     family = get_family(cfg.model.model_family, cfg)
-    if fmt not in family.export_formats:
+    allowed = formats_for(cfg, family)
+    if fmt not in allowed:
         raise KitError(
-            f"{family.name} models export as {', '.join(family.export_formats)}, not '{fmt}'"
+            f"unknown export format '{fmt}' for {cfg.network.network_type} on {family.name} "
+            f"(choose from {', '.join(allowed) or 'none'})"
         )
     source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
     if source is None:
         raise KitError(f"{run.root} has no complete checkpoint to export")
     step = json.loads((source / "progress.json").read_text())["step"]
-    adapter = {k: v.to(DTYPES[dtype]) for k, v in ckpt.exported_weights(source).items()}
-    lcfg = adapter_config(cfg, family, family.empty_parts(cfg.model.pretrained_model)["denoiser"])
-    alpha, rank = alpha_and_rank(lcfg)
+    weights = {k: v.to(DTYPES[dtype]) for k, v in ckpt.exported_weights(source).items()}
     meta = {
         "kit.base_model": cfg.model.pretrained_model,
         "kit.model_family": family.name,
         "kit.network_type": cfg.network.network_type,
-        "kit.rank": str(rank),
-        "kit.alpha": str(alpha),
         "kit.trigger_words": json.dumps(cfg.data.trigger_words),
         "kit.steps": str(step),
         "kit.resolution": str(cfg.data.resolution),
     }
     out = Path(out_dir) if out_dir else run.exports / fmt
     out.mkdir(parents=True, exist_ok=True)
-    if fmt == "diffusers":
-        path = _write_diffusers(family, adapter, lcfg, meta, out)
-    else:
-        path = _write_kohya(family, adapter, alpha, rank, meta, cfg, step, out)
+    writer = _WRITERS[
+        cfg.network.network_type
+        if cfg.network.network_type in ("full", "textual_inversion")
+        else "adapter"
+    ]
+    path, apply = writer(cfg, family, weights, meta, fmt, step, out)
     verification = None
     if verify:
-        verification = verify_export(run, path, step, tolerance=tolerance)
-        write_json(path.with_suffix(".verify.json"), verification.__dict__)
+        verification = verify_export(run, path, step, tolerance=tolerance, apply=apply)
+        write_json(
+            Path(f"{path}.verify.json" if path.is_dir() else path.with_suffix(".verify.json")),
+            verification.__dict__,
+        )
         if not verification.passed:
             raise KitError(
                 f"{path} does not reproduce the kit's images (max pixel difference "
@@ -106,9 +123,49 @@ def export(
     return ExportResult(fmt, path, step, verification)
 
 
-def _write_diffusers(family, adapter, lcfg, meta, out: Path) -> Path:
+Apply = Callable[[Any, Path], Any]
+"""(fresh base pipeline, exported path) → a pipeline that draws with the export applied."""
+
+
+def _load_lora(pipe: Any, path: Path) -> Any:
+    pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+    return pipe
+
+
+def _adapter_writer(cfg, family, weights, meta, fmt, step, out) -> tuple[Path, Apply]:
+    denoiser = family.empty_parts(cfg.model.pretrained_model)["denoiser"]
+    peft_config = adapter_config(cfg, family, denoiser)
+    alpha, rank = alpha_and_rank(peft_config)
+    meta = {**meta, "kit.rank": str(rank), "kit.alpha": str(alpha)}
+    kind = adapter_kind(cfg)
+    if fmt == "diffusers":
+        return _write_diffusers(family, weights, peft_config, meta, out), _load_lora
+    if kind in ("loha", "lokr"):
+        tensors = to_lycoris(weights, alpha, rank, family.kohya_prefix)
+        path = _write_kohya(
+            family, tensors, alpha, rank, meta, cfg, step, out, "lycoris.kohya", kind
+        )
+        return path, _merge_lycoris(family)
+    tensors = family.kohya_state_dict(weights, alpha)
+    path = _write_kohya(family, tensors, alpha, rank, meta, cfg, step, out, "networks.lora", kind)
+    # diffusers drops kohya DoRA magnitudes, so DoRA is checked with the kit's own reader.
+    return path, _merge_lycoris(family) if kind == "dora" else _load_lora
+
+
+def _merge_lycoris(family: Family) -> Apply:
+    def apply(pipe: Any, path: Path) -> Any:
+        from safetensors.torch import load_file
+
+        denoiser = getattr(pipe, family.lora_layers_kwarg.removesuffix("_lora_layers"))
+        merge_into(load_file(str(path)), denoiser, family.kohya_prefix)
+        return pipe
+
+    return apply
+
+
+def _write_diffusers(family, adapter, peft_config, meta, out: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        written = family.save_diffusers_lora(adapter, lcfg.to_dict(), Path(tmp))
+        written = family.save_diffusers_lora(adapter, peft_config.to_dict(), Path(tmp))
         with safe_open(str(written), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             metadata = {**(f.metadata() or {}), **meta}
@@ -117,14 +174,16 @@ def _write_diffusers(family, adapter, lcfg, meta, out: Path) -> Path:
     return path
 
 
-def _write_kohya(family, adapter, alpha, rank, meta, cfg, step: int, out: Path) -> Path:
-    tensors = family.kohya_state_dict(adapter, alpha)
+def _write_kohya(
+    family, tensors, alpha, rank, meta, cfg, step: int, out: Path, module: str, kind: str
+) -> Path:
     name = Path(cfg.train.output_dir).name or "lora"
     metadata = {
         **meta,
-        "ss_network_module": "networks.lora",
+        "ss_network_module": module,
         "ss_network_dim": str(rank),
         "ss_network_alpha": str(alpha),
+        "ss_network_args": json.dumps({"algo": kind} if module.startswith("lycoris") else {}),
         "ss_base_model_version": family.base_model_version,
         "ss_steps": str(step),
         "ss_output_name": name,
@@ -138,6 +197,9 @@ def _write_kohya(family, adapter, alpha, rank, meta, cfg, step: int, out: Path) 
     path = out / f"{name}.safetensors"
     write_with(path, lambda t: save_file(tensors, str(t), metadata=metadata))
     return path
+
+
+_WRITERS: dict[str, Callable[..., tuple[Path, Apply]]] = {"adapter": _adapter_writer}
 
 
 def reference_images(run: RunDir, step: int) -> list[tuple[ImageSpec, Path]]:
@@ -156,21 +218,23 @@ def _draw_references(run: RunDir, step: int) -> list[tuple[ImageSpec, Path]]:
 
     grid = draw_checkpoint(run.root, ckpt.checkpoint_dir(run.root, step))
     return [
-        (read_sidecar(sc)[0], sc.with_suffix(".png"))
-        for sc in sorted(grid.parent.glob("*.json"))
+        (read_sidecar(sc)[0], sc.with_suffix(".png")) for sc in sorted(grid.parent.glob("*.json"))
     ]
 
 
-def verify_export(run: RunDir, lora_file: Path, step: int, tolerance: int = 2) -> Verification:
-    """Load `lora_file` into a fresh diffusers pipeline; redraw the kit's images; compare."""
+def verify_export(
+    run: RunDir, path: Path, step: int, tolerance: int = 2, apply: Apply = _load_lora
+) -> Verification:
+    """Apply an export to a fresh diffusers pipeline; redraw the kit's images; compare."""
     import diffusers
 
     cfg = load_config(run.config)
     family = get_family(cfg.model.model_family, cfg)
     refs = reference_images(run, step) or _draw_references(run, step)
     pipe_cls = getattr(diffusers, family.pipeline_class)
-    pipe = pipe_cls.from_pretrained(cfg.model.pretrained_model, **family.pipeline_kwargs)
-    pipe.load_lora_weights(str(lora_file.parent), weight_name=lora_file.name)
+    pipe = apply(
+        pipe_cls.from_pretrained(cfg.model.pretrained_model, **family.pipeline_kwargs), path
+    )
     pipe.set_progress_bar_config(disable=True)
     diffs = []
     for spec, png in refs:
@@ -195,4 +259,12 @@ def describe(path: str | Path) -> dict[str, Any]:
         return {"keys": len(keys), "sample_keys": keys[:4], "metadata": f.metadata() or {}}
 
 
-__all__ = ["FORMATS", "ExportResult", "Verification", "describe", "export", "verify_export", "shutil"]
+__all__ = [
+    "FORMATS",
+    "ExportResult",
+    "Verification",
+    "describe",
+    "export",
+    "formats_for",
+    "verify_export",
+]

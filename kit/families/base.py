@@ -216,15 +216,25 @@ class Family(ABC):
         )
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
-    def kohya_state_dict(self, state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch.Tensor]:
+    def kohya_state_dict(
+        self, state: dict[str, torch.Tensor], alpha: float
+    ) -> dict[str, torch.Tensor]:
         """Adapter weights in the kohya naming that A1111, Forge and ComfyUI load."""
         from diffusers.utils import convert_state_dict_to_kohya
 
-        out = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in state.items()})
+        magnitude = ".lora_magnitude_vector"
+        lora = {f"unet.{k}": v for k, v in state.items() if not k.endswith(magnitude)}
+        out = convert_state_dict_to_kohya(lora)
         out = {k.replace("lora_unet", self.kohya_prefix, 1): v for k, v in out.items()}
         for k in out:
             if k.endswith(".alpha"):
                 out[k] = torch.tensor(float(alpha))
+        # DoRA: the per-output-row magnitude, under kohya's `dora_scale` name, shaped (out, 1)
+        # as LyCORIS-style readers broadcast it against the row norms.
+        for k, v in state.items():
+            if k.endswith(magnitude):
+                module = k[: -len(magnitude)].replace(".", "_")
+                out[f"{self.kohya_prefix}_{module}.dora_scale"] = v.reshape(-1, 1)
         return out
 
 
@@ -243,7 +253,9 @@ def weights_identity(source: str, subfolder: str, config: dict, revision: str | 
             if f.suffix in (".safetensors", ".bin"):
                 st = f.stat()
                 files.append((f.name, st.st_size, st.st_mtime_ns))
-    return fingerprint({"source": source, "sub": subfolder, "rev": revision, "cfg": config, "files": files})
+    return fingerprint(
+        {"source": source, "sub": subfolder, "rev": revision, "cfg": config, "files": files}
+    )
 
 
 def ddpm_noise_and_target(
