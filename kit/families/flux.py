@@ -1,0 +1,455 @@
+"""Flux.1 (dev and schnell): a flow-matching MMDiT on packed 2×2 latent patches, CLIP pooled + T5.
+
+The cache holds unpacked VAE latents (B, 16, H/8, W/8); packing into the token sequence, the
+position ids and the guidance embedding are built per step, exactly as FluxPipeline builds them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kit.errors import ConfigError
+from kit.families import register
+from kit.families.base import (
+    Components,
+    Family,
+    NoiseDraw,
+    fingerprint,
+    flow_noise_and_target,
+    weights_identity,
+)
+
+if TYPE_CHECKING:
+    from kit.config import Config
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) latents → (B, h/2 · w/2, 4C) tokens of 2×2 patches, as FluxPipeline packs them."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    return FluxPipeline._pack_latents(latents, b, c, h, w)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Tokens back to (B, C, height, width) latents; sizes in latent pixels."""
+    from diffusers import FluxPipeline
+
+    # The pipeline's helper takes image pixels and a VAE factor; a factor of 1 means latent pixels.
+    return FluxPipeline._unpack_latents(tokens, height, width, 1)
+
+
+@register
+class Flux(Family):
+    """Flux.1 dev (guidance embedding) or schnell (none), read from the transformer's config."""
+
+    name = "flux"
+    bucket_step = 64
+    default_lora_targets = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+    )
+    pipeline_class = "FluxPipeline"
+    pipeline_kwargs: dict[str, Any] = {}
+    lora_layers_kwarg = "transformer_lora_layers"
+    export_formats = ("diffusers",)
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        super().__init__(cfg)
+        step = self.cfg.data.bucket_step
+        if step % 16:
+            # Packing needs an even latent side: 2 × the VAE's 8x.
+            raise ConfigError(
+                f"bucket_step: {step} must be a multiple of 16 for flux (64 is usual)"
+            )
+        if not self.cfg.model.use_t5:
+            raise ConfigError("use_t5: flux cannot run without its T5 text encoder; set it to true")
+
+    def max_sequence_length(self) -> int:
+        """T5 tokens per caption: the configured length, else FluxPipeline's default."""
+        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ------------------------------------------------------------ loading
+
+    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+        from transformers import CLIPTextModel, T5EncoderModel
+
+        kw: dict[str, Any] = {"revision": revision}
+        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
+        tokenizers = self._tokenizers(pretrained, revision)
+        clip = CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw)
+        t5 = T5EncoderModel.from_pretrained(pretrained, subfolder="text_encoder_2", **wkw)
+        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        transformer = FluxTransformer2DModel.from_pretrained(
+            pretrained, subfolder="transformer", **wkw
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            pretrained, subfolder="scheduler", **kw
+        )
+        for m in (clip, t5, vae, transformer):
+            m.requires_grad_(False)
+            m.eval()
+        identity = {
+            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
+            # The T5 length changes the cached embeddings, so it is part of their key.
+            "text": fingerprint(
+                [
+                    weights_identity(pretrained, "text_encoder", clip.config.to_dict(), revision),
+                    weights_identity(pretrained, "text_encoder_2", t5.config.to_dict(), revision),
+                    self.max_sequence_length(),
+                ]
+            ),
+        }
+        return Components(
+            transformer,
+            vae,
+            [clip, t5],
+            list(tokenizers.values()),
+            scheduler,
+            pretrained,
+            identity,
+        )
+
+    def load_tokenizers(self, pretrained):
+        return self._tokenizers(pretrained, None)
+
+    def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
+        from transformers import CLIPTokenizer, T5TokenizerFast
+
+        return {
+            "text_encoder": CLIPTokenizer.from_pretrained(
+                pretrained, subfolder="tokenizer", revision=revision
+            ),
+            "text_encoder_2": T5TokenizerFast.from_pretrained(
+                pretrained, subfolder="tokenizer_2", revision=revision
+            ),
+        }
+
+    def token_limit(self, encoder, tokenizer):
+        if encoder == "text_encoder_2":
+            return self.max_sequence_length()
+        return super().token_limit(encoder, tokenizer)
+
+    # ------------------------------------------------------------ encoding
+
+    @torch.no_grad()
+    def encode_text(self, comps, captions):
+        # The pipeline's own encode_prompt, so cached embeddings are what sampling computes.
+        pipe = self._text_pipeline(comps)
+        embeds, pooled, _ = pipe.encode_prompt(
+            captions,
+            device=comps.text_encoders[1].device,
+            max_sequence_length=self.max_sequence_length(),
+        )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    @torch.no_grad()
+    def encode_images(self, comps, pixels):
+        vae = comps.vae
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        # The mean, not a sample: the cache then holds one exact value per image.
+        return (dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+
+    # ------------------------------------------------------------ training
+
+    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
+        """σ shift for latents of this size: the configured one, else the scheduler's rule.
+
+        With dynamic shifting (Flux dev), the shift grows with the packed sequence length, as
+        FluxPipeline's `calculate_shift` sets it at sampling time.
+        """
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        if self.cfg.objective.flow_shift > 0:
+            return float(self.cfg.objective.flow_shift)
+        if not scheduler_config.get("use_dynamic_shifting", False):
+            return float(scheduler_config.get("shift", 1.0))
+        mu = calculate_shift(
+            (height // 2) * (width // 2),
+            scheduler_config.get("base_image_seq_len", 256),
+            scheduler_config.get("max_image_seq_len", 4096),
+            scheduler_config.get("base_shift", 0.5),
+            scheduler_config.get("max_shift", 1.15),
+        )
+        # The scheduler's exponential time shift is the σ shift by e^mu; its linear one by mu.
+        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
+
+    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        obj = self.cfg.objective
+        config = comps.noise_scheduler.config
+        steps = config.num_train_timesteps
+        draw = flow_noise_and_target(
+            latents,
+            generator,
+            sampling=obj.timestep_sampling,
+            logit_mean=obj.logit_mean,
+            logit_std=obj.logit_std,
+            mode_scale=obj.mode_scale,
+            shift=self.flow_shift(config, latents.shape[-2], latents.shape[-1]),
+            num_train_timesteps=steps,
+        )
+        if obj.loss_weighting != "none":
+            draw.weight = compute_loss_weighting_for_sd3(obj.loss_weighting, draw.timesteps / steps)
+        return draw
+
+    def predict(self, comps, noisy, timesteps, cond):
+        transformer = comps.denoiser
+        config = getattr(transformer, "module", transformer).config  # unwrapped under DDP
+        kwargs = _transformer_inputs(
+            config,
+            noisy,
+            timesteps,
+            cond["prompt_embeds"],
+            cond["pooled_prompt_embeds"],
+            self.cfg.objective.train_guidance_scale,
+        )
+        out = transformer(**kwargs, return_dict=False)[0]
+        return unpack_latents(out, noisy.shape[-2], noisy.shape[-1])
+
+    # ------------------------------------------------------------ sampling
+
+    def pipeline(self, comps):
+        from diffusers import FluxPipeline
+
+        clip, t5 = comps.text_encoders
+        tok, tok_2 = comps.tokenizers
+        # A fresh scheduler: sampling changes its state.
+        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
+        return FluxPipeline(
+            scheduler=scheduler,
+            vae=comps.vae,
+            text_encoder=clip,
+            tokenizer=tok,
+            text_encoder_2=t5,
+            tokenizer_2=tok_2,
+            transformer=comps.denoiser,
+        )
+
+    def call_kwargs(self, spec):
+        from diffusers import FluxPipeline
+
+        kwargs: dict[str, Any] = {
+            "prompt": spec.prompt,
+            "num_inference_steps": spec.num_inference_steps,
+            # Flux dev's distilled guidance (an input of the model); schnell ignores it.
+            "guidance_scale": spec.guidance_scale,
+            "width": spec.width,
+            "height": spec.height,
+            "max_sequence_length": self.max_sequence_length(),
+        }
+        if spec.negative_prompt:
+            kwargs["negative_prompt"] = spec.negative_prompt
+            # A negative prompt acts only through true CFG, which doubles the sampling cost.
+            if "true_cfg_scale" in inspect.signature(FluxPipeline.__call__).parameters:
+                kwargs["true_cfg_scale"] = spec.guidance_scale
+        if spec.adapter_scale != 1.0:
+            kwargs["joint_attention_kwargs"] = {"scale": spec.adapter_scale}
+        return kwargs
+
+    # ------------------------------------------------------------ memory estimate
+
+    def empty_parts(self, pretrained):
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKL, FluxTransformer2DModel
+        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+        transformer_cfg = FluxTransformer2DModel.load_config(pretrained, subfolder="transformer")
+        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
+        clip_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder")
+        t5_cfg = T5Config.from_pretrained(pretrained, subfolder="text_encoder_2")
+        with init_empty_weights():
+            return {
+                "denoiser": FluxTransformer2DModel.from_config(transformer_cfg),
+                "vae": AutoencoderKL.from_config(vae_cfg),
+                "text_encoder": CLIPTextModel(clip_cfg),
+                "text_encoder_2": T5EncoderModel(t5_cfg),
+            }
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        transformer, vae = parts["denoiser"], parts["vae"]
+        config = transformer.config
+        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2  # the VAE's factor, then 2×2 packing
+        meta = {"device": "meta"}
+        latents = torch.zeros(
+            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
+        )
+        seq = self.max_sequence_length()
+        kwargs = _transformer_inputs(
+            config,
+            latents,
+            torch.zeros(batch, **meta),
+            torch.zeros(batch, seq, config.joint_attention_dim, **meta),
+            torch.zeros(batch, config.pooled_projection_dim, **meta),
+            self.cfg.objective.train_guidance_scale,
+        )
+        # The packed image tokens go first: the estimator counts positional inputs as block inputs.
+        return (kwargs.pop("hidden_states"),), kwargs
+
+    # ------------------------------------------------------------ tiny copy
+
+    def make_tiny(self, out_dir, seed=0):
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            FluxPipeline,
+            FluxTransformer2DModel,
+        )
+        from transformers import (
+            CLIPTextConfig,
+            CLIPTextModel,
+            CLIPTokenizer,
+            T5Config,
+            T5EncoderModel,
+            T5TokenizerFast,
+        )
+
+        from kit.io import atomic_dir
+        from kit.tiny import write_clip_tokenizer_files, write_t5_tokenizer
+
+        torch.manual_seed(seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            write_clip_tokenizer_files(Path(tmp) / "clip")
+            tokenizer = CLIPTokenizer.from_pretrained(Path(tmp) / "clip", model_max_length=77)
+            write_t5_tokenizer(Path(tmp) / "t5")
+            tokenizer_2 = T5TokenizerFast.from_pretrained(Path(tmp) / "t5")
+        text_encoder = CLIPTextModel(
+            CLIPTextConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=77,
+                projection_dim=32,
+                bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id,  # where the pooled output is read
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        )
+        text_encoder_2 = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer_2),  # the tokenizer adds T5's 100 sentinel tokens
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                relative_attention_max_distance=32,
+                feed_forward_proj="gated-gelu",  # T5 v1.1, as Flux uses
+                is_encoder_decoder=False,
+                pad_token_id=tokenizer_2.pad_token_id,
+                eos_token_id=tokenizer_2.eos_token_id,
+            )
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(16, 32, 32, 32),
+            layers_per_block=1,
+            latent_channels=16,
+            norm_num_groups=16,
+            sample_size=64,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.1159,  # Flux's VAE values
+            scaling_factor=0.3611,
+        )
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,  # 16 latent channels × a 2×2 patch
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        pipe = FluxPipeline(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2,
+            transformer=transformer,
+        )
+        with atomic_dir(out_dir) as tmp_dir:
+            pipe.save_pretrained(tmp_dir, safe_serialization=True)
+        return Path(out_dir)
+
+    # ------------------------------------------------------------ helpers
+
+    def _text_pipeline(self, comps: Components) -> Any:
+        """A FluxPipeline holding only the text parts (enough for `encode_prompt`)."""
+        from diffusers import FluxPipeline
+
+        clip, t5 = comps.text_encoders
+        tok, tok_2 = comps.tokenizers
+        return FluxPipeline(
+            scheduler=None,
+            vae=None,
+            text_encoder=clip,
+            tokenizer=tok,
+            text_encoder_2=t5,
+            tokenizer_2=tok_2,
+            transformer=None,
+        )
+
+
+def _transformer_inputs(
+    config: Any,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    pooled: torch.Tensor,
+    guidance_scale: float,
+) -> dict[str, Any]:
+    """FluxTransformer2DModel's arguments for unpacked latents, built as FluxPipeline builds them."""
+    from diffusers import FluxPipeline
+
+    b, _, h, w = latents.shape
+    device, dtype = latents.device, latents.dtype
+    guidance = None
+    if config.guidance_embeds:  # dev-style; schnell-style models have no guidance input
+        guidance = torch.full((b,), guidance_scale, device=device, dtype=torch.float32)
+    return {
+        "hidden_states": pack_latents(latents),
+        # The pipeline feeds σ in [0, 1] (its timesteps / 1000); the model scales it back.
+        "timestep": timesteps.to(dtype) / 1000,
+        "guidance": guidance,
+        "pooled_projections": pooled.to(device, dtype),
+        "encoder_hidden_states": prompt_embeds.to(device, dtype),
+        "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+        "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+    }

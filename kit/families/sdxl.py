@@ -1,0 +1,262 @@
+"""Stable Diffusion XL: UNet with size/crop conditioning, AutoencoderKL, two CLIP text encoders."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit.families import register
+from kit.families.base import Components, Family, fingerprint, weights_identity
+
+# The CLIP context length both encoders are fed (what the pipeline pads to).
+CONTEXT = 77
+
+
+@register
+class SDXL(Family):
+    name = "sdxl"
+    bucket_step = 64
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    kohya_prefix = "lora_unet"
+    base_model_version = "sdxl_base_v1-0"
+    modelspec_architecture = "stable-diffusion-xl-v1-base/lora"
+    pipeline_class = "StableDiffusionXLPipeline"
+    # The pipeline watermarks its output whenever invisible-watermark is installed; off, so the
+    # kit's images and a plain diffusers redraw agree on any machine.
+    pipeline_kwargs = {"add_watermarker": False}
+
+    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+        kw: dict[str, Any] = {"revision": revision}
+        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
+        tokenizers = list(self._tokenizers(pretrained, revision).values())
+        te1 = CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw)
+        te2 = CLIPTextModelWithProjection.from_pretrained(
+            pretrained, subfolder="text_encoder_2", **wkw
+        )
+        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
+        # Training noise comes from a DDPM schedule built from the sampler's config.
+        scheduler = DDPMScheduler.from_pretrained(pretrained, subfolder="scheduler", **kw)
+        for m in (te1, te2, vae, unet):
+            m.requires_grad_(False)
+            m.eval()
+        text = [
+            weights_identity(pretrained, sub, te.config.to_dict(), revision)
+            for sub, te in (("text_encoder", te1), ("text_encoder_2", te2))
+        ]
+        identity = {
+            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
+            "text": fingerprint(text),
+        }
+        return Components(unet, vae, [te1, te2], tokenizers, scheduler, pretrained, identity)
+
+    def load_tokenizers(self, pretrained):
+        return self._tokenizers(pretrained)
+
+    def _tokenizers(self, pretrained: str, revision: str | None = None) -> dict[str, Any]:
+        from transformers import CLIPTokenizer
+
+        return {
+            enc: CLIPTokenizer.from_pretrained(pretrained, subfolder=sub, revision=revision)
+            for enc, sub in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
+        }
+
+    @torch.no_grad()
+    def encode_text(self, comps, captions):
+        # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders
+        # side by side, and the second encoder's projected pooled output.
+        hidden, pooled = [], None
+        for tok, enc in zip(comps.tokenizers, comps.text_encoders, strict=True):
+            ids = tok(
+                captions,
+                padding="max_length",
+                max_length=tok.model_max_length,
+                truncation=True,
+                return_tensors="pt",
+            ).input_ids.to(enc.device)
+            out = enc(ids, output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled = out[0]
+        return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
+
+    @torch.no_grad()
+    def encode_images(self, comps, pixels):
+        vae = comps.vae
+        # The mean, not a sample: the cache then holds one exact value per image.
+        mean = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        cfg = vae.config
+        # The inverse of the pipeline's decode, which uses per-channel stats when the VAE has them.
+        mu, sd = cfg.get("latents_mean"), cfg.get("latents_std")
+        if mu is not None and sd is not None:
+            mu = torch.tensor(mu).view(1, -1, 1, 1).to(mean)
+            sd = torch.tensor(sd).view(1, -1, 1, 1).to(mean)
+            return (mean - mu) * cfg.scaling_factor / sd
+        return mean * cfg.scaling_factor
+
+    def noise_and_target(self, comps, latents, generator):
+        return self.ddpm_draw(comps, latents, generator)
+
+    def predict(self, comps, noisy, timesteps, cond):
+        pooled = cond["pooled_prompt_embeds"]
+        # Per sample, as recorded by bucketing: (orig h, orig w, crop top, crop left, h, w).
+        time_ids = torch.cat(
+            [cond["original_size"], cond["crop_top_left"], cond["target_size"]], dim=1
+        )
+        added = {"text_embeds": pooled, "time_ids": time_ids.to(pooled.dtype)}
+        return comps.denoiser(
+            noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"], added_cond_kwargs=added
+        ).sample
+
+    def pipeline(self, comps):
+        from diffusers import StableDiffusionXLPipeline
+
+        # Honour the base model's own setting, as from_pretrained would.
+        saved = StableDiffusionXLPipeline.load_config(comps.source)
+        return StableDiffusionXLPipeline(
+            vae=comps.vae,
+            text_encoder=comps.text_encoders[0],
+            text_encoder_2=comps.text_encoders[1],
+            tokenizer=comps.tokenizers[0],
+            tokenizer_2=comps.tokenizers[1],
+            unet=comps.denoiser,
+            scheduler=_sampling_scheduler(comps.source),
+            force_zeros_for_empty_prompt=saved.get("force_zeros_for_empty_prompt", True),
+            **self.pipeline_kwargs,
+        )
+
+    def empty_parts(self, pretrained):
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKL, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+        unet_cfg = UNet2DConditionModel.load_config(pretrained, subfolder="unet")
+        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
+        te1_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder")
+        te2_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder_2")
+        with init_empty_weights():
+            return {
+                "denoiser": UNet2DConditionModel.from_config(unet_cfg),
+                "vae": AutoencoderKL.from_config(vae_cfg),
+                "text_encoder": CLIPTextModel(te1_cfg),
+                "text_encoder_2": CLIPTextModelWithProjection(te2_cfg),
+            }
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        unet, vae = parts["denoiser"], parts["vae"]
+        te1, te2 = parts["text_encoder"].config, parts["text_encoder_2"].config
+        f = 2 ** (len(vae.config.block_out_channels) - 1)
+        latents = torch.zeros(
+            batch, unet.config.in_channels, height // f, width // f, device="meta"
+        )
+        steps = torch.zeros(batch, dtype=torch.long, device="meta")
+        embeds = torch.zeros(batch, CONTEXT, te1.hidden_size + te2.hidden_size, device="meta")
+        added = {
+            "text_embeds": torch.zeros(batch, te2.projection_dim, device="meta"),
+            "time_ids": torch.zeros(batch, 6, device="meta"),
+        }
+        return (latents, steps), {"encoder_hidden_states": embeds, "added_cond_kwargs": added}
+
+    def make_tiny(self, out_dir, seed=0):
+        from diffusers import (
+            AutoencoderKL,
+            EulerDiscreteScheduler,
+            StableDiffusionXLPipeline,
+            UNet2DConditionModel,
+        )
+        from transformers import (
+            CLIPTextConfig,
+            CLIPTextModel,
+            CLIPTextModelWithProjection,
+            CLIPTokenizer,
+        )
+
+        from kit.io import atomic_dir
+        from kit.tiny import write_clip_tokenizer_files
+
+        torch.manual_seed(seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            vocab_size = write_clip_tokenizer_files(tmp)
+            tokenizer = CLIPTokenizer.from_pretrained(tmp, model_max_length=CONTEXT)
+            tokenizer_2 = CLIPTokenizer.from_pretrained(tmp, model_max_length=CONTEXT)
+        te_kw = dict(
+            vocab_size=vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=CONTEXT,
+            projection_dim=32,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        text_encoder = CLIPTextModel(CLIPTextConfig(**te_kw))
+        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**te_kw))
+        te_cfg = text_encoder_2.config
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(16, 32, 32, 32),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=16,
+            sample_size=128,
+            scaling_factor=0.13025,
+        )
+        time_dim = 8
+        unet = UNet2DConditionModel(
+            sample_size=16,
+            in_channels=4,
+            out_channels=4,
+            # As SDXL: no attention at the highest resolution.
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            attention_head_dim=(2, 4),
+            use_linear_projection=True,
+            cross_attention_dim=2 * te_cfg.hidden_size,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_dim,
+            # Six size/crop ids, each embedded in time_dim, plus the pooled text projection.
+            projection_class_embeddings_input_dim=6 * time_dim + te_cfg.projection_dim,
+            norm_num_groups=32,
+        )
+        scheduler = EulerDiscreteScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            timestep_spacing="leading",
+            steps_offset=1,
+            prediction_type="epsilon",
+        )
+        pipe = StableDiffusionXLPipeline(
+            vae=vae,
+            text_encoder=text_encoder,
+            text_encoder_2=text_encoder_2,
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer_2,
+            unet=unet,
+            scheduler=scheduler,
+            **self.pipeline_kwargs,
+        )
+        with atomic_dir(out_dir) as tmp_dir:
+            pipe.save_pretrained(tmp_dir, safe_serialization=True)
+        return Path(out_dir)
+
+
+def _sampling_scheduler(source: str) -> Any:
+    """The sampler saved with the base model (what plain diffusers would use)."""
+    import diffusers
+
+    config = diffusers.EulerDiscreteScheduler.load_config(source, subfolder="scheduler")
+    cls = getattr(diffusers, config.get("_class_name", ""), diffusers.EulerDiscreteScheduler)
+    return cls.from_config(config)
