@@ -199,7 +199,79 @@ def _write_kohya(
     return path
 
 
-_WRITERS: dict[str, Callable[..., tuple[Path, Apply]]] = {"adapter": _adapter_writer}
+def _full_writer(cfg, family, weights, meta, fmt, step, out) -> tuple[Path, Apply]:
+    """A complete diffusers pipeline folder with the trained weights in it."""
+    from kit.io import atomic_dir
+    from kit.network import build_network
+    from kit.train import load_base
+
+    _, comps = load_base(cfg)
+    net = build_network(cfg, family)
+    net.attach(comps)
+    net.load_state_dict(comps, weights)
+    pipe = family.pipeline(comps).to(weights[next(iter(weights))].dtype)
+    folder = out / "pipeline"
+    with atomic_dir(folder) as tmp:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        write_json(tmp / "kit_export.json", meta)
+
+    def apply(base_pipe: Any, path: Path) -> Any:
+        return type(base_pipe).from_pretrained(path, **family.pipeline_kwargs)
+
+    return folder, apply
+
+
+def _embedding_writer(cfg, family, weights, meta, fmt, step, out) -> tuple[Path, Apply]:
+    """One file per placeholder token, in the layout A1111, ComfyUI and diffusers load."""
+    encoders = sorted({int(k.split(":", 1)[0]) for k in weights})
+    names = family.embedding_names
+    tokens = cfg.network.placeholder_tokens
+    files = {}
+    for token in tokens:
+        if len(encoders) == 1:
+            tensors = {token: weights[f"0:{token}"][None]}
+        else:
+            tensors = {names[i]: weights[f"{i}:{token}"][None] for i in encoders}
+        path = out / f"{_file_stem(token)}.safetensors"
+        write_with(
+            path,
+            lambda t, tensors=tensors, token=token: save_file(
+                tensors, str(t), metadata={**meta, "kit.token": token}
+            ),
+        )
+        files[token] = path
+
+    def apply(pipe: Any, folder: Path) -> Any:
+        attrs = list(family.load_tokenizers(cfg.model.pretrained_model))
+        for token, path in files.items():
+            if len(encoders) == 1:
+                pipe.load_textual_inversion(str(path), token=token)
+                continue
+            from safetensors.torch import load_file
+
+            state = load_file(str(path))
+            for i in encoders:
+                pipe.load_textual_inversion(
+                    state[names[i]][0],
+                    token=token,
+                    text_encoder=getattr(pipe, attrs[i]),
+                    tokenizer=getattr(pipe, attrs[i].replace("text_encoder", "tokenizer")),
+                )
+        return pipe
+
+    return out, apply
+
+
+def _file_stem(token: str) -> str:
+    stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in token).strip("_")
+    return stem or "embedding"
+
+
+_WRITERS: dict[str, Callable[..., tuple[Path, Apply]]] = {
+    "adapter": _adapter_writer,
+    "full": _full_writer,
+    "textual_inversion": _embedding_writer,
+}
 
 
 def reference_images(run: RunDir, step: int) -> list[tuple[ImageSpec, Path]]:

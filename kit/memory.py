@@ -58,6 +58,25 @@ def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _trainable(cfg: Config, family, denoiser: nn.Module, parts: dict[str, nn.Module]) -> int:
+    """Trained parameters of the configured network, counted on the meta-device model."""
+    kind = cfg.network.network_type
+    if kind == "full":
+        encoders = [m for name, m in parts.items() if name.startswith("text")]
+        text = _params(encoders[0]) if cfg.network.train_text_encoder and encoders else 0
+        return _params(denoiser) + text
+    if kind == "textual_inversion":
+        widths = [
+            m.get_input_embeddings().weight.shape[1]
+            for m in parts.values()
+            if hasattr(m, "get_input_embeddings")
+        ]
+        return len(cfg.network.placeholder_tokens) * sum(widths)
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(adapter_config(cfg, family, denoiser))  # on meta: shapes only
+    return sum(p.numel() for p in trainable_parameters(denoiser))
+
+
 def _activation_bytes(
     denoiser: nn.Module, args: tuple, kwargs: dict, dtype_bytes: int, checkpointing: bool
 ) -> int:
@@ -114,9 +133,7 @@ def estimate(
     wbytes = 2 if precision in ("fp16", "bf16") else 4
     denoiser = parts.pop("denoiser")
     base_params = _params(denoiser)
-    denoiser.requires_grad_(False)
-    denoiser.add_adapter(adapter_config(cfg, family, denoiser))  # on meta: shapes only
-    trainable = sum(p.numel() for p in trainable_parameters(denoiser))
+    trainable = _trainable(cfg, family, denoiser, parts)
     args, kwargs = family.denoiser_inputs({"denoiser": denoiser, **parts}, batch, res, res)
     act = _activation_bytes(denoiser, args, kwargs, wbytes, ckpt)
     comps = {

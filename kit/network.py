@@ -154,7 +154,9 @@ def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter weights in peft naming (no adapter name in the keys)."""
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(module).items()}
+    return {
+        k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(module).items()
+    }
 
 
 def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -165,3 +167,193 @@ def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise ConfigError(f"checkpoint holds adapter weights this network lacks: {unexpected[:3]}")
+
+
+# ---------------------------------------------------------------- what trains, by network_type
+
+
+class Network:
+    """What a run trains. Subclasses decide the parameters, their saved form and their upkeep."""
+
+    live_text = False
+    """True when gradients reach the text encoders: captions are encoded every step, not cached."""
+
+    def __init__(self, cfg: Config, family: Family) -> None:
+        self.cfg = cfg
+        self.family = family
+        self.kind = cfg.network.network_type
+
+    def attach(self, comps: Components) -> NetworkSummary:
+        """Freeze the base model, then make the trained parts trainable."""
+        raise NotImplementedError
+
+    def parameters(self, comps: Components) -> list[nn.Parameter]:
+        """The trained parameters, in a fixed order."""
+        return [p for m in comps.frozen_modules() for p in m.parameters() if p.requires_grad]
+
+    def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
+        """The trained weights, as saved in checkpoints and read by export."""
+        raise NotImplementedError
+
+    def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
+        """Put saved trained weights back."""
+        raise NotImplementedError
+
+    def after_step(self, comps: Components) -> None:
+        """Upkeep after each optimizer step (nothing by default)."""
+
+
+class AdapterNetwork(Network):
+    """LoRA, DoRA, LoHa or LoKr on the denoiser (peft)."""
+
+    def attach(self, comps: Components) -> NetworkSummary:
+        return attach(self.cfg, self.family, comps)
+
+    def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
+        return adapter_state_dict(_unwrap(comps.denoiser))
+
+    def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
+        load_adapter_state_dict(_unwrap(comps.denoiser), state)
+
+
+class FullNetwork(Network):
+    """Every weight of the denoiser (and, if asked, of the first text encoder)."""
+
+    def __init__(self, cfg: Config, family: Family) -> None:
+        super().__init__(cfg, family)
+        self.live_text = cfg.network.train_text_encoder
+
+    def _trained(self, comps: Components) -> dict[str, nn.Module]:
+        parts = {"denoiser": _unwrap(comps.denoiser)}
+        if self.live_text:
+            parts["text_encoder"] = comps.text_encoders[0]
+        return parts
+
+    def attach(self, comps: Components) -> NetworkSummary:
+        for m in comps.frozen_modules():
+            m.requires_grad_(False)
+        for m in self._trained(comps).values():
+            m.requires_grad_(True)
+        trainable = sum(p.numel() for p in self.parameters(comps))
+        total = sum(p.numel() for m in comps.frozen_modules() for p in m.parameters())
+        names = list(self._trained(comps))
+        return NetworkSummary(
+            "full", names, {n: _count(m) for n, m in self._trained(comps).items()}, trainable, total
+        )
+
+    def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
+        return {
+            f"{part}.{k}": v.detach().clone().contiguous()
+            for part, m in self._trained(comps).items()
+            for k, v in m.state_dict().items()
+        }
+
+    def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
+        for part, m in self._trained(comps).items():
+            prefix = f"{part}."
+            m.load_state_dict(
+                {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            )
+
+
+class TextualInversion(Network):
+    """New token embeddings in every text encoder of the family; nothing else changes."""
+
+    live_text = True
+
+    def __init__(self, cfg: Config, family: Family) -> None:
+        super().__init__(cfg, family)
+        self.tokens = list(cfg.network.placeholder_tokens)
+        self.ids: list[list[int]] = []
+        self.frozen_rows: list[torch.Tensor] = []
+
+    def attach(self, comps: Components) -> NetworkSummary:
+        for m in comps.frozen_modules():
+            m.requires_grad_(False)
+        init = self.cfg.network.initializer_token
+        self.ids, self.frozen_rows = [], []
+        for tok, enc in zip(comps.tokenizers, comps.text_encoders, strict=True):
+            init_ids = tok(init, add_special_tokens=False).input_ids
+            if len(init_ids) != 1:
+                raise ConfigError(
+                    f"initializer_token '{init}' is {len(init_ids)} tokens for {type(tok).__name__}; "
+                    "choose a word that is one token"
+                )
+            for token in self.tokens:
+                if len(tok(token, add_special_tokens=False).input_ids) == 1:
+                    raise ConfigError(
+                        f"placeholder token '{token}' is already a token of {type(tok).__name__}; "
+                        f"training it would change that word everywhere: choose e.g. '<{token.strip('<>')}>'"
+                    )
+            before = len(tok)
+            tok.add_tokens(self.tokens)
+            ids = tok.convert_tokens_to_ids(self.tokens)
+            for token, new_id in zip(self.tokens, ids, strict=True):
+                got = tok(token, add_special_tokens=False).input_ids
+                if got != [new_id] or new_id < before:
+                    raise ConfigError(
+                        f"placeholder token '{token}' is not one new token in "
+                        f"{type(tok).__name__} (got {got}); choose another, e.g. '<{token.strip('<>')}>'"
+                    )
+            enc.resize_token_embeddings(len(tok))
+            emb = enc.get_input_embeddings()
+            emb.weight.data = emb.weight.data.float()
+            with torch.no_grad():
+                emb.weight[ids] = emb.weight[init_ids[0]].clone()
+            emb.weight.requires_grad_(True)
+            self.ids.append(ids)
+            self.frozen_rows.append(emb.weight.detach().clone())
+        n = sum(
+            len(ids) * enc.get_input_embeddings().weight.shape[1]
+            for ids, enc in zip(self.ids, comps.text_encoders, strict=True)
+        )
+        names = [f"text_encoder_{i}:{t}" for i in range(len(self.ids)) for t in self.tokens]
+        per = {name: n // len(names) for name in names}
+        total = sum(p.numel() for m in comps.frozen_modules() for p in m.parameters())
+        return NetworkSummary("textual_inversion", names, per, n, total)
+
+    def parameters(self, comps: Components) -> list[nn.Parameter]:
+        return [enc.get_input_embeddings().weight for enc in comps.text_encoders]
+
+    @torch.no_grad()
+    def after_step(self, comps: Components) -> None:
+        # Only the new rows may change: put every other row back exactly.
+        for ids, enc, frozen in zip(self.ids, comps.text_encoders, self.frozen_rows, strict=True):
+            weight = enc.get_input_embeddings().weight
+            keep = torch.ones(weight.shape[0], dtype=torch.bool)
+            keep[ids] = False
+            weight[keep] = frozen[keep].to(weight)
+
+    def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, (ids, enc) in enumerate(zip(self.ids, comps.text_encoders, strict=True)):
+            weight = enc.get_input_embeddings().weight
+            for token, row in zip(self.tokens, ids, strict=True):
+                out[f"{i}:{token}"] = weight[row].detach().clone()
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
+        for i, (ids, enc) in enumerate(zip(self.ids, comps.text_encoders, strict=True)):
+            weight = enc.get_input_embeddings().weight
+            for token, row in zip(self.tokens, ids, strict=True):
+                weight[row] = state[f"{i}:{token}"].to(weight)
+
+
+def build_network(cfg: Config, family: Family) -> Network:
+    """The Network for `network_type`."""
+    kind = cfg.network.network_type
+    if kind in ADAPTERS:
+        return AdapterNetwork(cfg, family)
+    if kind == "full":
+        return FullNetwork(cfg, family)
+    return TextualInversion(cfg, family)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    # accelerate may wrap the denoiser (DDP); the weights live in `.module`.
+    return getattr(module, "module", module)
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad)

@@ -35,15 +35,18 @@ def drop_captions(
     empty: dict[str, torch.Tensor],
     rate: float,
     generator: torch.Generator,
-) -> int:
-    """Replace a `rate` share of the batch's text tensors with the empty caption's; return how many."""
-    if rate <= 0:
-        return 0  # no draw: the random sequence stays as without dropout
+) -> list[bool]:
+    """Replace a `rate` share of the batch's text tensors with the empty caption's.
+
+    Returns which samples were dropped (a live text encoder drops their captions instead).
+    """
     n = batch["latents"].shape[0]
+    if rate <= 0:
+        return [False] * n  # no draw: the random sequence stays as without dropout
     mask = torch.rand(n, generator=generator) < rate
     for key, value in empty.items():
         batch[key][mask] = value.to(batch[key].dtype)
-    return int(mask.sum())
+    return mask.tolist()
 
 
 class FixedLoss:
@@ -60,7 +63,9 @@ class FixedLoss:
         self.data = data
         self.seed = seed
         self.batches = [
-            idx[j : j + batch_size] for idx in by_bucket.values() for j in range(0, len(idx), batch_size)
+            idx[j : j + batch_size]
+            for idx in by_bucket.values()
+            for j in range(0, len(idx), batch_size)
         ]
 
     @torch.no_grad()

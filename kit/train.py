@@ -21,12 +21,7 @@ from kit.data import CachedDataset, build_cache, epoch_batches, load_samples
 from kit.errors import KitError
 from kit.families import Components, Family, get_family
 from kit.io import write_text
-from kit.network import (
-    adapter_state_dict,
-    attach,
-    load_adapter_state_dict,
-    trainable_parameters,
-)
+from kit.network import build_network
 from kit.objective import EMA, FixedLoss, denoising_loss, drop_captions
 from kit.optim import make_optimizer, make_scheduler
 from kit.runs import RunDir
@@ -60,7 +55,9 @@ def resolve_precision(requested: str) -> str:
         )
         return "no"
     if requested == "bf16" and not torch.cuda.is_bf16_supported():
-        warnings.warn("this GPU lacks bf16; training in fp32 (try mixed_precision=fp16)", stacklevel=2)
+        warnings.warn(
+            "this GPU lacks bf16; training in fp32 (try mixed_precision=fp16)", stacklevel=2
+        )
         return "no"
     return requested
 
@@ -76,7 +73,9 @@ def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, 
             dtype=dtype,
         )
     except (OSError, ValueError) as e:
-        raise KitError(f"cannot load pretrained_model '{cfg.model.pretrained_model}': {e}") from None
+        raise KitError(
+            f"cannot load pretrained_model '{cfg.model.pretrained_model}': {e}"
+        ) from None
     return family, comps
 
 
@@ -136,14 +135,15 @@ def train(
     if overwrite and not resume and accelerator.is_main_process:
         _clear_run(run)
 
-    summary = attach(cfg, family, comps)
+    net = build_network(cfg, family)
+    summary = net.attach(comps)
     unet = comps.denoiser
-    for p in trainable_parameters(unet):
+    params = net.parameters(comps)
+    for p in params:
         p.data = p.data.float()  # trained weights stay fp32 whatever the base's dtype
     if t.gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
-    params = list(trainable_parameters(unet))
     optimizer = make_optimizer(params, t)
     lr_scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
@@ -151,12 +151,16 @@ def train(
     ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
     generator = torch.Generator().manual_seed(t.seed)
     fixed = FixedLoss(data, t.stable_loss_samples, t.train_batch_size, t.seed + 1)
-    fixed_holdout = FixedLoss(holdout, len(holdout.samples), t.train_batch_size, t.seed + 2) if holdout else None
+    fixed_holdout = (
+        FixedLoss(holdout, len(holdout.samples), t.train_batch_size, t.seed + 2)
+        if holdout
+        else None
+    )
 
     step, epoch, position = 0, 0, 0
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from)
-        load_adapter_state_dict(accelerator.unwrap_model(unet), state["adapter"])
+        net.load_state_dict(comps, state["adapter"])
         optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"], generator)
@@ -187,10 +191,15 @@ def train(
         if ema is None:
             return None
         with ema.swapped_in(params):
-            return adapter_state_dict(accelerator.unwrap_model(unet))
+            return net.state_dict(comps)
 
     def save(at_step: int) -> Path:
-        progress = {"step": at_step, "epoch": epoch, "position": position, **_fingerprint(cfg, data)}
+        progress = {
+            "step": at_step,
+            "epoch": epoch,
+            "position": position,
+            **_fingerprint(cfg, data),
+        }
         extras: dict[str, Any] = {}
         if ema is not None:
             extras["ema"] = ema.state_dict()
@@ -199,7 +208,7 @@ def train(
         path = ckpt.save_checkpoint(
             run.root,
             at_step,
-            adapter_state_dict(accelerator.unwrap_model(unet)),
+            net.state_dict(comps),
             optimizer,
             lr_scheduler,
             generator,
@@ -247,10 +256,17 @@ def train(
         while step < t.max_train_steps:
             batches = epoch_batches(data.plan, t.train_batch_size, t.seed, epoch)
             while position < len(batches) and step < t.max_train_steps:
-                batch = data.load_batch(batches[position])
+                indices = batches[position]
+                batch = data.load_batch(indices)
                 position += 1
-                drop_captions(batch, empty_text, o.caption_dropout, generator)
+                dropped = drop_captions(batch, empty_text, o.caption_dropout, generator)
                 with accelerator.accumulate(unet):
+                    if net.live_text:
+                        captions = [
+                            "" if d else data.samples[i].caption
+                            for i, d in zip(indices, dropped, strict=True)
+                        ]
+                        batch.update(family.encode_text(comps, captions))
                     loss = denoising_loss(family, comps, batch, generator, device)
                     accelerator.backward(loss)
                     grad_norm = None
@@ -264,6 +280,7 @@ def train(
                 if not accelerator.sync_gradients:
                     continue
                 step += 1
+                net.after_step(comps)
                 if ema is not None:
                     ema.step(params)
                 loss_value = sum(micro_losses) / len(micro_losses)
@@ -339,7 +356,9 @@ def _guard_finite(
         return
     what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
     scale_note = f", loss scale {scale:g}" if scale is not None else ""
-    keep = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
+    keep = (
+        f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved yet"
+    )
     raise KitError(
         f"{what} at step {step} (mixed_precision={precision}{scale_note}); {keep}. "
         "Usual fixes: a lower learning_rate, max_grad_norm 1.0, bf16 instead of fp16, "
@@ -369,7 +388,9 @@ def _check_resume(
     ]
     if saved.get("dataset") != now["dataset"]:
         before, after = set(saved.get("dataset", [])), set(now["dataset"])
-        changes.append(f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed")
+        changes.append(
+            f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed"
+        )
     if changes and not force:
         raise KitError(
             f"cannot resume {resume_from} exactly; changed since it was saved: "

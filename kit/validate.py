@@ -160,7 +160,7 @@ def draw_checkpoint(
     from kit import checkpoint as ckpt
     from kit.config import load_config
     from kit.errors import KitError
-    from kit.network import attach, load_adapter_state_dict
+    from kit.network import build_network
     from kit.runs import open_run
     from kit.train import load_base
 
@@ -170,8 +170,9 @@ def draw_checkpoint(
     if source is None:
         raise KitError(f"{run.root} has no complete checkpoint")
     family, comps = load_base(cfg)
-    attach(cfg, family, comps)
-    load_adapter_state_dict(comps.denoiser, ckpt.exported_weights(source))
+    net = build_network(cfg, family)
+    net.attach(comps)
+    net.load_state_dict(comps, ckpt.exported_weights(source))
     if prompts is None:
         captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
         prompts = default_prompts(cfg, captions)

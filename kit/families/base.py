@@ -76,6 +76,9 @@ class Family(ABC):
     """Keyword of the pipeline's `save_lora_weights` that takes the denoiser's LoRA weights."""
     export_formats: tuple[str, ...] = ("diffusers", "kohya")
     """Export formats this family writes."""
+    embedding_names: tuple[str, ...] = ()
+    """Keys of a textual-inversion file, one per text encoder (A1111 / ComfyUI naming);
+    empty for one encoder, whose file holds a single tensor under the token's name."""
     video: bool = False
     """True when samples are clips (channels, frames, height, width) rather than images."""
 
@@ -109,7 +112,11 @@ class Family(ABC):
 
     @abstractmethod
     def encode_text(self, comps: Components, captions: list[str]) -> dict[str, torch.Tensor]:
-        """Per-caption conditioning tensors (batch first), ready to cache."""
+        """Per-caption conditioning tensors (batch first), ready to cache.
+
+        Differentiable: textual inversion and text-encoder training call it with gradients on
+        (callers that only cache work with frozen encoders, so no graph is kept).
+        """
 
     @abstractmethod
     def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,6 @@ class Flux(Family):
 
     # ------------------------------------------------------------ encoding
 
-    @torch.no_grad()
     def encode_text(self, comps, captions):
         # The pipeline's own encode_prompt, so cached embeddings are what sampling computes.
         pipe = self._text_pipeline(comps)

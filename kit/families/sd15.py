@@ -45,7 +45,6 @@ class SD15(Family):
         }
         return Components(unet, vae, [text_encoder], [tokenizer], scheduler, pretrained, identity)
 
-    @torch.no_grad()
     def encode_text(self, comps, captions):
         tok = comps.tokenizers[0]
         enc = comps.text_encoders[0]

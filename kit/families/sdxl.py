@@ -18,6 +18,7 @@ CONTEXT = 77
 @register
 class SDXL(Family):
     name = "sdxl"
+    embedding_names = ("clip_l", "clip_g")
     bucket_step = 64
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     kohya_prefix = "lora_unet"
@@ -67,7 +68,6 @@ class SDXL(Family):
             for enc, sub in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
         }
 
-    @torch.no_grad()
     def encode_text(self, comps, captions):
         # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders
         # side by side, and the second encoder's projected pooled output.

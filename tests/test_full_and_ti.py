@@ -1,0 +1,161 @@
+"""Full fine-tuning and textual inversion on the tiny SD1.5 and SDXL models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kit import checkpoint as ckpt
+from kit.config import load_config
+from kit.errors import ConfigError
+from kit.export import export
+from tests.conftest import write_config
+
+FAMILIES = ["sd15", "sdxl"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Tiny base models of both families, made once."""
+    from kit.families import get_family
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: get_family(name).make_tiny(root / name) for name in FAMILIES}
+
+
+def _config(tmp_path, tiny, dataset, family, **fields):
+    base = {
+        "model_family": family,
+        "pretrained_model": str(tiny[family]),
+        "output_dir": str(tmp_path / "run"),
+        "image_dir": str(dataset),
+        "cache_dir": str(tmp_path / "cache"),
+        "resolution": 64,
+        "bucket_step": 32,
+        "train_batch_size": 2,
+        "max_train_steps": 4,
+        "checkpointing_steps": 2,
+        "validation_prompt": ["a red <zorb>"],
+        "validation_seeds": [0],
+        "validation_num_inference_steps": 2,
+        "report_to": "none",
+    }
+    name = fields.pop("name", "config.json")
+    return write_config(tmp_path / name, **{**base, **fields})
+
+
+TI = {
+    "network_type": "textual_inversion",
+    "placeholder_tokens": ["<zorb>"],
+    "initializer_token": "star",
+    "learning_rate": 5e-2,
+    "caption_dropout": 0.2,
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_textual_inversion_trains_resumes_and_exports(tmp_path, tiny, dataset, family):
+    from kit.train import train
+
+    for p in dataset.glob("*.txt"):  # the concept is called by the placeholder
+        p.write_text(p.read_text().replace("zorbstar", "<zorb>"))
+    straight = _config(tmp_path, tiny, dataset, family, **TI)
+    train(load_config(straight))
+    rows = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 4) / ckpt.ADAPTER_FILE))
+    encoders = 2 if family == "sdxl" else 1
+    assert sorted(rows) == [f"{i}:<zorb>" for i in range(encoders)]
+
+    split = _config(
+        tmp_path, tiny, dataset, family, name="b.json", output_dir=str(tmp_path / "b"), **TI
+    )
+    train(load_config(split, {"max_train_steps": 2}))
+    train(load_config(split), resume="latest")
+    again = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(rows[k], again[k]) for k in rows)
+
+    # A fresh pipeline with only the exported embedding redraws the kit's images exactly:
+    # so no other row of the embedding matrices moved.
+    result = export(tmp_path / "run", "embedding")
+    assert result.verification.passed and result.verification.max_abs_diff == 0
+    saved = load_file(str(result.path / "zorb.safetensors"))
+    assert sorted(saved) == (["clip_g", "clip_l"] if family == "sdxl" else ["<zorb>"])
+
+
+def test_only_placeholder_rows_change(tiny):
+    from kit.config import from_dict
+    from kit.families import get_family
+    from kit.network import build_network
+
+    cfg = from_dict({"pretrained_model": str(tiny["sd15"]), **TI})
+    family = get_family("sd15", cfg)
+    comps = family.load(str(tiny["sd15"]))
+    net = build_network(cfg, family)
+    net.attach(comps)
+    weight = comps.text_encoders[0].get_input_embeddings().weight
+    before = weight.detach().clone()
+    with torch.no_grad():
+        weight.add_(torch.randn_like(weight))  # as if every row had been updated
+    net.after_step(comps)
+    new = net.ids[0][0]
+    others = torch.ones(weight.shape[0], dtype=torch.bool)
+    others[new] = False
+    assert torch.equal(weight[others], before[others])
+    assert not torch.equal(weight[new], before[new])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "init", "match"),
+    [(["red"], "star", "already a token"), (["<zorb>"], "zorbstar", "is 4 tokens")],
+)
+def test_textual_inversion_token_checks(tiny, tokens, init, match):
+    from kit.config import from_dict
+    from kit.families import get_family
+    from kit.network import build_network
+
+    cfg = from_dict(
+        {
+            "pretrained_model": str(tiny["sd15"]),
+            **TI,
+            "placeholder_tokens": tokens,
+            "initializer_token": init,
+        }
+    )
+    family = get_family("sd15", cfg)
+    with pytest.raises(ConfigError, match=match):
+        build_network(cfg, family).attach(family.load(str(tiny["sd15"])))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_fine_tune_with_text_encoder(tmp_path, tiny, dataset, family):
+    from kit.train import train
+
+    fields = {"network_type": "full", "train_text_encoder": True, "learning_rate": 1e-4}
+    train(load_config(_config(tmp_path, tiny, dataset, family, **fields)))
+    weights = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 4) / ckpt.ADAPTER_FILE))
+    assert any(k.startswith("denoiser.") for k in weights) and any(
+        k.startswith("text_encoder.") for k in weights
+    )
+
+    split = _config(
+        tmp_path, tiny, dataset, family, name="b.json", output_dir=str(tmp_path / "b"), **fields
+    )
+    train(load_config(split, {"max_train_steps": 2}))
+    train(load_config(split), resume="latest")
+    again = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+
+    result = export(tmp_path / "run", "diffusers")
+    assert result.path.name == "pipeline" and (result.path / "model_index.json").is_file()
+    assert result.verification.passed
+    assert json.loads((result.path / "kit_export.json").read_text())["kit.network_type"] == "full"
+
+
+def test_network_preview_and_estimate_for_full_and_ti(tmp_path, tiny, dataset):
+    from kit.memory import estimate
+
+    full = estimate(load_config(_config(tmp_path, tiny, dataset, "sd15", network_type="full")))
+    ti = estimate(load_config(_config(tmp_path, tiny, dataset, "sd15", name="ti.json", **TI)))
+    assert full.settings["trainable_params"] > 100 * ti.settings["trainable_params"] > 0
