@@ -31,6 +31,10 @@ def metrics_figure(rows: list[dict[str, Any]]):
     ax_loss.plot(steps, loss, alpha=0.35, label="loss")
     if loss:
         ax_loss.plot(steps, smooth(loss), label="smoothed")
+    for key, style in (("stable_loss", "o-"), ("validation_loss", "s--")):
+        marked = [(r["step"], r[key]) for r in rows if key in r]
+        if marked:
+            ax_loss.plot(*zip(*marked, strict=True), style, markersize=3, label=key.replace("_", " "))
     ax_loss.set_title("loss")
     ax_loss.legend(loc="upper right")
     ax_lr.plot(steps, [r["lr"] for r in rows])
