@@ -16,7 +16,11 @@ def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.op
     betas = (t.adam_beta1, t.adam_beta2)
     if t.optimizer == "adamw":
         return torch.optim.AdamW(
-            params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay, eps=t.adam_epsilon
+            params,
+            lr=t.learning_rate,
+            betas=betas,
+            weight_decay=t.adam_weight_decay,
+            eps=t.adam_epsilon,
         )
     if t.optimizer == "adamw8bit":
         if not torch.cuda.is_available():
@@ -24,9 +28,15 @@ def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.op
         try:
             import bitsandbytes as bnb
         except ImportError:
-            raise ConfigError("optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes") from None
+            raise ConfigError(
+                "optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes"
+            ) from None
         return bnb.optim.AdamW8bit(
-            params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay, eps=t.adam_epsilon
+            params,
+            lr=t.learning_rate,
+            betas=betas,
+            weight_decay=t.adam_weight_decay,
+            eps=t.adam_epsilon,
         )
     if t.optimizer == "adafactor":
         from transformers.optimization import Adafactor
@@ -44,7 +54,9 @@ def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.op
         try:
             from prodigyopt import Prodigy
         except ImportError:
-            raise ConfigError("optimizer prodigy needs prodigyopt: pip install prodigyopt") from None
+            raise ConfigError(
+                "optimizer prodigy needs prodigyopt: pip install prodigyopt"
+            ) from None
         # Prodigy estimates the step size itself; learning_rate is a multiplier (1.0 is usual).
         return Prodigy(params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay)
     raise ConfigError(f"optimizer: unknown '{t.optimizer}'")
