@@ -96,17 +96,27 @@ def save_checkpoint(
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(adapter, str(tmp / ADAPTER_FILE))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng_state(generator), tmp / "rng.pt")
-    for name, state in (extras or {}).items():
-        torch.save(state, tmp / f"{name}.pt")
-    if ema_weights is not None:
-        save_file(ema_weights, str(tmp / EMA_FILE))
-    (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
-    (tmp / MARKER).write_text(str(step))
+    try:
+        tmp.mkdir(parents=True)
+        save_file(adapter, str(tmp / ADAPTER_FILE))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(generator), tmp / "rng.pt")
+        for name, state in (extras or {}).items():
+            torch.save(state, tmp / f"{name}.pt")
+        if ema_weights is not None:
+            save_file(ema_weights, str(tmp / EMA_FILE))
+        (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
+        (tmp / MARKER).write_text(str(step))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = list_checkpoints(run_dir)
+        kept = (
+            f"the previous checkpoint {previous[-1]} is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        raise KitError(f"could not write the checkpoint of step {step} ({e}); {kept}") from None
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -123,10 +133,10 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         "ema_weights": load_file(str(path / EMA_FILE)) if (path / EMA_FILE).is_file() else None,
         "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
         "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
-        "rng": torch.load(path / "rng.pt", weights_only=False),
+        "rng": torch.load(path / "rng.pt", weights_only=True),
         "progress": json.loads((path / "progress.json").read_text()),
         "extras": {
-            f.stem: torch.load(f, weights_only=False)
+            f.stem: torch.load(f, weights_only=True)
             for f in sorted(path.glob("*.pt"))
             if f.stem not in _CORE
         },

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import shutil
@@ -97,6 +98,8 @@ def _accelerator(cfg: Config, run: RunDir) -> tuple[Any, str]:
             )
         )
     accelerator = Accelerator(
+        # Without a GPU, `cpu=True` is what makes accelerate join a multi-process (gloo) launch.
+        cpu=not torch.cuda.is_available(),
         mixed_precision=precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         log_with=None if t.report_to == "none" else t.report_to,
@@ -149,7 +152,8 @@ def train(
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     comps.denoiser = unet  # the family calls whatever accelerate wrapped
     ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
-    generator = torch.Generator().manual_seed(t.seed)
+    generator = torch.Generator().manual_seed(t.seed)  # saved in checkpoints; batches use their own
+    rank, world = accelerator.process_index, accelerator.num_processes
     fixed = FixedLoss(data, t.stable_loss_samples, t.train_batch_size, t.seed + 1)
     fixed_holdout = (
         FixedLoss(holdout, len(holdout.samples), t.train_batch_size, t.seed + 2)
@@ -252,13 +256,28 @@ def train(
     progress_bar = _progress(accelerator, step, t.max_train_steps)
     micro_losses: list[float] = []
     started = time.perf_counter()
+    restore_signals = _sigterm_as_interrupt()
     try:
         while step < t.max_train_steps:
             batches = epoch_batches(data.plan, t.train_batch_size, t.seed, epoch)
-            while position < len(batches) and step < t.max_train_steps:
-                indices = batches[position]
+            # Each process takes every world-th batch; a tail that cannot go to every process
+            # waits for the next epoch's shuffle, so all processes step together.
+            usable = len(batches) - len(batches) % world
+            if usable == 0:
+                raise KitError(
+                    f"{len(batches)} batch(es) per epoch cannot be shared by {world} processes; "
+                    "lower train_batch_size or use fewer processes"
+                )
+            while position < usable and step < t.max_train_steps:
+                mine = position + rank
+                indices = batches[mine]
+                if world > 1:
+                    _audit(run, rank, {"epoch": epoch, "batch": mine, "samples": indices})
                 batch = data.load_batch(indices)
-                position += 1
+                position += world
+                # Noise, timesteps, dropout and caption dropout come from this batch's own
+                # stream: the same numbers whichever process draws it, before or after a resume.
+                generator = _batch_generator(t.seed, epoch, mine)
                 dropped = drop_captions(batch, empty_text, o.caption_dropout, generator)
                 with accelerator.accumulate(unet):
                     if net.live_text:
@@ -276,7 +295,7 @@ def train(
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
-                micro_losses.append(loss.detach().float().item())
+                micro_losses.append(float(accelerator.reduce(loss.detach().float(), "mean")))
                 if not accelerator.sync_gradients:
                     continue
                 step += 1
@@ -311,10 +330,15 @@ def train(
                 v_every = cfg.validation.validation_steps
                 if accelerator.is_main_process and (last or (v_every and step % v_every == 0)):
                     result.validation_grids.append(validate(step))
-            if position >= len(batches):
+            if position >= usable:
                 epoch, position = epoch + 1, 0
         if accelerator.is_main_process:
             save(step)
+        if world > 1:
+            _audit(
+                run, rank, {"final_step": step, "weights_sha256": _digest(net.state_dict(comps))}
+            )
+        accelerator.wait_for_everyone()
     except KeyboardInterrupt:
         # Stopped by the user: keep what was learned, then stop cleanly.
         saved = result.checkpoint is not None and result.checkpoint.name == f"step-{step:06d}"
@@ -323,6 +347,7 @@ def train(
         result.interrupted = True
         accelerator.print(f"interrupted at step {step}; checkpoint: {result.checkpoint}")
     finally:
+        restore_signals()
         progress_bar.close()
         accelerator.end_training()
     result.step = step
@@ -332,6 +357,44 @@ def train(
         plot_metrics(run.read_metrics(), run.loss_plot)
     emit(kind="end", step=step, result=result)
     return result
+
+
+def _audit(run: RunDir, rank: int, record: dict[str, Any]) -> None:
+    """Per-process record of a multi-process run: which samples it saw, what it ended with."""
+    run.logs.mkdir(parents=True, exist_ok=True)
+    with open(run.logs / f"process-{rank}.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(state):
+        h.update(key.encode())
+        h.update(state[key].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _batch_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    """A random stream of its own for one batch; also seeds the global RNG (dropout layers)."""
+    digest = hashlib.sha256(f"{seed}/{epoch}/{index}".encode()).digest()
+    value = int.from_bytes(digest[:8], "little") & (2**63 - 1)
+    torch.manual_seed(value)
+    return torch.Generator().manual_seed(value)
+
+
+def _sigterm_as_interrupt() -> Callable[[], None]:
+    """Make SIGTERM stop training like Ctrl-C (checkpoint, then exit); return the undo."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # signals can only be handled on the main thread
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _holdout(cfg: Config, family: Family, comps: Components, device: Any) -> CachedDataset | None:
