@@ -95,26 +95,40 @@ def cmd_buckets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from kit.memory import GIB, GPUS, estimate
+    from kit.memory import GIB, GPUS, advise, estimate
 
-    est = estimate(_config(args))
+    cfg = _config(args)
+    est = estimate(cfg)
     d = est.to_dict()
-    if args.budget is not None:
-        d["budget_gib"] = args.budget
-        d["fits_budget"] = est.fits(args.budget)
+    budget = args.budget
     if args.gpu:
         if args.gpu not in GPUS:
             raise KitError(f"unknown --gpu '{args.gpu}' (known: {', '.join(GPUS)})")
         d["gpu"] = args.gpu
         d["fits_gpu"] = est.fits(GPUS[args.gpu])
+        budget = GPUS[args.gpu] if budget is None else budget
+    if budget is not None:
+        d["budget_gib"] = budget
+        d["fits_budget"] = est.fits(budget)
+        rows = advise(cfg, budget, card=args.gpu) if not est.fits(budget) or args.advise else []
+        d["advice"] = [{k: v for k, v in r.items() if k != "estimate"} for r in rows]
     if args.json:
         _print_json(d)
         return 0
     for k, v in est.components.items():
-        print(f"{k:>22}  {v / GIB:8.3f} GiB")
-    print(f"{'total':>22}  {est.total_bytes / GIB:8.3f} GiB")
+        print(f"{k:>24}  {v / GIB:8.3f} GiB")
+    phase = d["details"]["peak_phase"]
+    print(f"{'total':>24}  {est.total_bytes / GIB:8.3f} GiB  (peak in the {phase})")
     for name, ok in d["fits"].items():
-        print(f"{name:>22}  {'fits' if ok else 'does not fit'}")
+        print(f"{name:>24}  {'fits' if ok else 'does not fit'}")
+    if budget is not None:
+        print(f"{'budget':>24}  {budget} GiB: {'fits' if d['fits_budget'] else 'does not fit'}")
+        for r in d.get("advice", []):
+            print(f"  - {r['changes']}: {r['peak_gib']} GiB, about {r['slowdown']}x the time")
+        if not d["fits_budget"] and not d.get("advice"):
+            print("  - no searched setting fits this budget")
+    for note in est.notes:
+        print(f"  note: {note}")
     return 0
 
 
@@ -188,6 +202,46 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kit.plan import plan
+
+    base = _config(args) if args.config else None
+    p = plan(
+        args.data_dir,
+        args.task,
+        base=base,
+        family=args.family,
+        pretrained_model=args.pretrained_model,
+        gpu=args.gpu,
+        budget_gib=args.budget,
+        trigger=args.trigger,
+        output_dir=args.output_dir,
+    )
+    if not args.out:
+        _print_json(p.to_dict())
+        return 0
+    p.save(args.out)
+    for line in p.reasons():
+        print(f"- {line}")
+    print(f"wrote {args.out}; train it with: kit train {args.out}")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kit.doctor import SEVERITIES, diagnose, format_findings, write_report
+    from kit.runs import open_run
+
+    run = open_run(args.run_dir)
+    findings = diagnose(run.root)
+    write_report(run.root)
+    if args.json:
+        _print_json([f.to_dict() for f in findings])
+    else:
+        print(format_findings(findings))
+    worst = min((SEVERITIES.index(f.severity) for f in findings), default=len(SEVERITIES))
+    return 1 if args.fail_on and worst <= SEVERITIES.index(args.fail_on) else 0
+
+
 def _literal(text: str) -> Any:
     try:
         return json.loads(text)
@@ -231,10 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_buckets)
 
-    sp = sub.add_parser("estimate", help="estimate the VRAM a config needs")
+    sp = sub.add_parser(
+        "estimate", help="estimate the VRAM a config needs (no weights, no GPU), with advice"
+    )
     with_config(sp)
-    sp.add_argument("--gpu", help="a card name from the table")
+    sp.add_argument("--gpu", help="a card name from the table, e.g. 'RTX 3060 12GB'")
     sp.add_argument("--budget", type=float, help="memory budget in GiB")
+    sp.add_argument(
+        "--advise", action="store_true", help="show the best settings even when the config fits"
+    )
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_estimate)
 
@@ -262,6 +321,30 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
     sp.add_argument("--no-verify", action="store_true", help="skip the reload check")
     sp.set_defaults(func=cmd_export)
+
+    sp = sub.add_parser("plan", help="propose a config from the dataset and the task, with reasons")
+    sp.add_argument("data_dir", help="folder of images and captions")
+    sp.add_argument("--task", required=True, choices=["character", "style", "concept"])
+    sp.add_argument("--family", help="model family (default: the config's, else sd15)")
+    sp.add_argument("--gpu", help="a card name from the estimator's table, to fit the batch to")
+    sp.add_argument("--budget", type=float, help="memory budget in GiB instead of --gpu")
+    sp.add_argument("--pretrained-model", help="base model folder or hub id")
+    sp.add_argument("--trigger", help="trigger word (default: guessed from the captions)")
+    sp.add_argument("--output-dir", help="run folder of the planned config")
+    sp.add_argument("--config", help="a config whose other settings the plan keeps")
+    sp.add_argument(
+        "-s", "--set", action="append", metavar="KEY=VALUE", help="override a --config field"
+    )
+    sp.add_argument("--out", help="write the config here (default: print it as JSON)")
+    sp.set_defaults(func=cmd_plan)
+
+    sp = sub.add_parser("doctor", help="diagnose a run: findings, evidence and fixes")
+    sp.add_argument("run_dir")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument(
+        "--fail-on", choices=["error", "warning", "info"], help="exit 1 on a finding this serious"
+    )
+    sp.set_defaults(func=cmd_doctor)
 
     sp = sub.add_parser("notebooks", help="execute the seven notebooks headlessly (papermill)")
     sp.add_argument("out_dir")

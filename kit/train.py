@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -198,10 +199,13 @@ def train(
             return net.state_dict(comps)
 
     def save(at_step: int) -> Path:
+        # The data position of the last finished optimizer step: batches of a step that an
+        # interrupt cut short are trained again after a resume.
+        at_epoch, at_position = cursor
         progress = {
             "step": at_step,
-            "epoch": epoch,
-            "position": position,
+            "epoch": at_epoch,
+            "position": at_position,
             **_fingerprint(cfg, data),
         }
         extras: dict[str, Any] = {}
@@ -252,6 +256,7 @@ def train(
         unet.train()
         return out
 
+    cursor = (epoch, position)
     result = TrainResult(run.root, step, resume_from)
     progress_bar = _progress(accelerator, step, t.max_train_steps)
     micro_losses: list[float] = []
@@ -299,6 +304,7 @@ def train(
                 if not accelerator.sync_gradients:
                     continue
                 step += 1
+                cursor = (epoch, position)
                 net.after_step(comps)
                 if ema is not None:
                     ema.step(params)
@@ -332,6 +338,8 @@ def train(
                     result.validation_grids.append(validate(step))
             if position >= usable:
                 epoch, position = epoch + 1, 0
+                if not micro_losses:
+                    cursor = (epoch, position)
         if accelerator.is_main_process:
             save(step)
         if world > 1:
@@ -342,7 +350,7 @@ def train(
     except KeyboardInterrupt:
         # Stopped by the user: keep what was learned, then stop cleanly.
         saved = result.checkpoint is not None and result.checkpoint.name == f"step-{step:06d}"
-        if accelerator.is_main_process and step > 0 and not micro_losses and not saved:
+        if accelerator.is_main_process and step > 0 and not saved:
             save(step)
         result.interrupted = True
         accelerator.print(f"interrupted at step {step}; checkpoint: {result.checkpoint}")
@@ -350,6 +358,11 @@ def train(
         restore_signals()
         progress_bar.close()
         accelerator.end_training()
+        if accelerator.is_main_process:
+            from kit.doctor import write_report
+
+            # Also when training stopped on an error: the report then explains it.
+            write_report(run.root, error=sys.exc_info()[1])
     result.step = step
     if accelerator.is_main_process:
         from kit.plots import plot_metrics

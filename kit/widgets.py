@@ -80,21 +80,39 @@ def bucket_figure(plan: Any, samples: list[Any]):
     return fig
 
 
-def vram_figure(est: Any, budget_gib: float | None = None):
-    """Estimated peak memory by component, with an optional budget line."""
+def vram_figure(est: Any, budget_gib: float | None = None, cards: bool = True):
+    """The estimated peak as one stacked bar of its components, with card and budget lines."""
     import matplotlib.pyplot as plt
 
-    from kit.memory import GIB
+    from kit.memory import GIB, GPUS
 
-    names = list(est.components)
-    values = [est.components[n] / GIB for n in names]
-    fig, ax = plt.subplots(figsize=(8, 3))
-    ax.barh(names, values)
-    ax.set_xlabel("GiB")
-    ax.set_title(f"estimated peak: {est.total_bytes / GIB:.3f} GiB  ({est.settings})", fontsize=8)
+    parts = [(n, v / GIB) for n, v in est.components.items() if v > 0]
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    left = 0.0
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, gib) in enumerate(parts):
+        ax.barh([0], [gib], left=left, color=colors[i % len(colors)], label=f"{name} {gib:.2f}")
+        left += gib
+    top = max(left, budget_gib or 0) * 1.08
+    if cards:
+        for name, gib in GPUS.items():
+            if gib <= top * 1.5:
+                ax.axvline(gib, color="grey", linewidth=0.8, linestyle=":")
+                ax.text(gib, 0.45, name, rotation=90, fontsize=7, va="top", ha="right")
     if budget_gib:
-        ax.axvline(budget_gib, color="red", linestyle="--", label=f"budget {budget_gib} GiB")
-        ax.legend()
+        ax.axvline(budget_gib, color="red", linestyle="--")
+        ax.text(budget_gib, -0.45, f"budget {budget_gib} GiB", color="red", fontsize=8)
+    s = est.settings
+    ax.set_title(
+        f"peak {est.total_bytes / GIB:.2f} GiB — {s['height']}x{s['width']}, batch "
+        f"{s['batch_size']}, {s['mixed_precision']}, {s['optimizer']}, checkpointing "
+        f"{'on' if s['gradient_checkpointing'] else 'off'}",
+        fontsize=9,
+    )
+    ax.set_yticks([])
+    ax.set_xlabel("GiB")
+    ax.set_xlim(0, max(top, left * 1.05))
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     plt.close(fig)  # shown once, as the cell's result
     return fig

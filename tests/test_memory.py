@@ -1,0 +1,172 @@
+"""The VRAM estimator: shipped configs offline, the traced step, the breakdown and the advice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kit import memory
+from kit.cli import main
+from kit.config import Config
+from kit.families import get_family
+from kit.memory import GIB, GPUS, SHIPPED, Shape, advise, config_source, estimate
+
+# Shipped model → (family, denoiser parameters in billions, low, high): the published sizes.
+SHIPPED_MODELS = {
+    "runwayml/stable-diffusion-v1-5": ("sd15", 0.85, 0.87),
+    "stabilityai/stable-diffusion-xl-base-1.0": ("sdxl", 2.56, 2.58),
+    "stabilityai/stable-diffusion-3.5-medium": ("sd3", 2.2, 2.6),
+    "black-forest-labs/FLUX.1-dev": ("flux", 11.8, 12.0),
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("wan", 1.3, 1.5),
+}
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """No network, and a fresh on-disk trace cache per test."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("KIT_VRAM_CACHE", str(tmp_path / "vram"))
+    memory._MEMO.clear()
+
+
+def _cfg(pretrained: str, family: str, resolution: int = 512, **train) -> Config:
+    cfg = Config()
+    cfg.model.model_family = family
+    cfg.model.pretrained_model = pretrained
+    cfg.data.resolution = resolution
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return cfg
+
+
+@pytest.mark.parametrize("hub_id", list(SHIPPED_MODELS))
+def test_shipped_configs_build_the_real_architecture_offline(hub_id):
+    family, low, high = SHIPPED_MODELS[hub_id]
+    source = config_source(hub_id)
+    assert source.endswith(SHIPPED[hub_id])
+    parts = get_family(family).empty_parts(source)
+    billions = sum(p.numel() for p in parts["denoiser"].parameters()) / 1e9
+    assert low <= billions <= high
+    assert all(p.device.type == "meta" for m in parts.values() for p in m.parameters())
+
+
+def test_shipped_config_estimate_adds_up_and_prints_json(tmp_path, capsys):
+    path = tmp_path / "sd15.json"
+    path.write_text(
+        json.dumps(
+            {"model_family": "sd15", "pretrained_model": "runwayml/stable-diffusion-v1-5",
+             "resolution": 512, "mixed_precision": "bf16"}
+        )
+    )  # fmt: skip
+    assert main(["estimate", str(path), "--json", "--gpu", "T4 16GB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["total_bytes"] == sum(out["components"].values())
+    assert out["fits_gpu"] is True and out["fits"]["T4 16GB"] is True
+    c = out["components"]
+    # SD1.5's UNet in bf16 is 0.86 B parameters × 2 bytes.
+    assert abs(c["denoiser_weights"] / 1.7191e9 - 1) < 0.01
+    assert c["activations"] > 0 and c["text_encoder_weights"] > 0
+    assert sum(out["details"]["activations_by_group"].values()) == c["activations"]
+
+
+def test_the_trace_follows_checkpointing_precision_batch_and_is_cached(tiny_sd15, monkeypatch):
+    cfg = _cfg(str(tiny_sd15), "sd15", 256)
+    base = estimate(cfg)
+    assert base.total_bytes == sum(base.components.values())
+    assert estimate(cfg, gradient_checkpointing=True).components["activations"] < (
+        base.components["activations"] / 2
+    )
+    assert (
+        estimate(cfg, mixed_precision="bf16").components["activations"]
+        < (base.components["activations"])
+    )
+    four = estimate(cfg, batch_size=4).components["activations"]
+    assert 3.5 < four / base.components["activations"] < 4.5
+    # Optimizer, accumulation and EMA are arithmetic on the same trace.
+    small = estimate(cfg, optimizer="adafactor")
+    assert small.components["optimizer_state"] < base.components["optimizer_state"] / 4
+    assert estimate(cfg, gradient_accumulation_steps=2).components["gradients"] > 0
+    # A repeat never traces again, not even in a new process (the disk cache).
+    memory._MEMO.clear()
+    monkeypatch.setattr(memory, "trace", lambda *a: pytest.fail("traced again"))
+    assert estimate(cfg).total_bytes == base.total_bytes
+
+
+def test_attention_is_stored_as_flash_kernels_store_it():
+    q = torch.empty(1, 8, 16384, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    counter = memory._LiveBytes()
+    with counter, memory._Autocast(torch.bfloat16, {}):
+        out = F.scaled_dot_product_attention(q, q, q)
+        out.float().sum().backward()
+    matrix = 8 * 16384 * 16384 * 2
+    assert counter.peak < matrix / 20
+
+
+def test_autocast_follows_the_cuda_op_lists():
+    x = torch.empty(2, 32, 8, 8, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(16, 32, device="meta")
+    with memory._Autocast(torch.bfloat16, {}):
+        assert F.linear(torch.empty(2, 32, device="meta"), w).dtype == torch.bfloat16
+        assert F.group_norm(x, 8).dtype == torch.float32
+        assert F.softmax(x, -1).dtype == torch.float32
+        assert F.interpolate(x, scale_factor=2.0, mode="nearest").dtype == torch.float32
+        assert F.silu(x).dtype == torch.bfloat16
+
+
+def test_optimizer_state_by_kind():
+    shapes = [(320, 16), (16, 320), (320,)]
+    n = sum(a * (b if len(s) > 1 else 1) for s in shapes for a, b in [(s[0], s[-1])])
+    got = memory._optimizer_bytes(shapes)
+    assert got["adamw"]["state"] == 8 * n
+    assert got["prodigy"]["state"] == 16 * n
+    assert got["adamw8bit"]["state"] < got["adamw"]["state"] / 3
+    assert got["adafactor"]["state"] < got["adamw"]["state"] / 4
+
+
+def test_config_source_prefers_a_local_folder(tmp_path, monkeypatch):
+    assert config_source("someone/some-model") == "someone/some-model"
+    assert config_source("sdxl").endswith("model_configs/sdxl")
+    (tmp_path / "sdxl").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert config_source("sdxl") == "sdxl"
+
+
+def test_advice_fits_the_budget_on_a_tiny_model(tiny_sd15):
+    cfg = _cfg(str(tiny_sd15), "sd15", 512, train_batch_size=4)
+    est = estimate(cfg)
+    budget = (est.total_bytes - est.components["activations"] / 2) / GIB
+    rows = advise(cfg, budget, top=2)
+    assert rows and all(r["estimate"].fits(budget) for r in rows)
+    assert rows[0]["slowdown"] <= rows[-1]["slowdown"]
+    assert rows[0]["changes"] != "(as configured)"
+
+
+@pytest.mark.slow
+def test_advice_for_sdxl_1024_on_a_12gb_card_fits_by_the_estimate():
+    cfg = _cfg("stabilityai/stable-diffusion-xl-base-1.0", "sdxl", 1024, mixed_precision="bf16")
+    card = "RTX 3060 12GB"
+    assert not estimate(cfg).fits(GPUS[card])
+    rows = advise(cfg, GPUS[card], card=card)
+    assert rows
+    for r in rows:
+        s = r["settings"]
+        again = estimate(
+            cfg,
+            resolution=s["resolution"],
+            batch_size=s["batch_size"],
+            gradient_accumulation_steps=s["gradient_accumulation_steps"],
+            gradient_checkpointing=s["gradient_checkpointing"],
+            mixed_precision=s["mixed_precision"],
+            optimizer=s["optimizer"],
+            unload_encoders=s["unload_encoders"],
+        )
+        assert again.fits(GPUS[card]) and again.total_bytes == r["estimate"].total_bytes
+
+
+def test_shape_is_the_trace_key():
+    a = Shape(512, 512, 1, False, "bf16", False)
+    assert a == Shape(512, 512, 1, False, "bf16", False)
+    assert a != Shape(512, 512, 2, False, "bf16", False)
