@@ -322,6 +322,8 @@ def train(
                 }
                 if scale is not None:
                     row["loss_scale"] = scale
+                if torch.cuda.is_available():
+                    row["memory_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)
                 last = step == t.max_train_steps
                 if t.stable_loss_steps and (step % t.stable_loss_steps == 0 or last):
                     row.update(fixed_losses())
