@@ -21,7 +21,9 @@ def words(caption: str) -> list[str]:
 
 def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
     """What the captions hold: problems, word frequencies, trigger coverage, token counts."""
-    rep = scan(cfg.data)
+    from kit.families import get_family
+
+    rep = scan(cfg.data, get_family(cfg.model.model_family, cfg))
     captions = [s.caption for s in rep.samples]
     dup = [c for c, n in Counter(captions).items() if n > 1 and c]
     counts = Counter(w for c in captions for w in words(c))

@@ -8,7 +8,7 @@ import math
 import os
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -39,6 +39,8 @@ EXAMPLE_SIZES: tuple[tuple[int, int], ...] = (
     (160, 128),
     (128, 160),
 )
+CLIP_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (96, 64))
+DIRECTIONS: tuple[str, ...] = ("left", "right")
 
 _SIZE_FRACTION = {"small": 0.35, "large": 0.65}
 _MARGIN_FRACTION = 0.06
@@ -106,14 +108,35 @@ def _star(cx: float, cy: float, outer: float) -> list[tuple[float, float]]:
     return points
 
 
-def render(scene: Scene, width: int, height: int) -> Image.Image:
-    """Draw the scene as an RGB image of width x height; the same arguments give identical pixels."""
+def moving_box(
+    scene: Scene, width: int, height: int, direction: str, t: float
+) -> tuple[float, float, float, float]:
+    """The shape's box at time t in [0, 1] as it crosses the image from side to side."""
+    _check("direction", direction, DIRECTIONS)
+    start, end = (shape_box(replace(scene, position=p), width, height) for p in ("left", "right"))
+    if direction == "left":
+        start, end = end, start
+    left, top, right, bottom = (a + (b - a) * t for a, b in zip(start, end, strict=True))
+    return left, top, right, bottom
+
+
+def render(
+    scene: Scene,
+    width: int,
+    height: int,
+    box: tuple[float, float, float, float] | None = None,
+) -> Image.Image:
+    """Draw the scene as an RGB image of width x height; the same arguments give identical pixels.
+
+    `box` places the shape elsewhere than its position says (the frames of a moving clip).
+    """
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
     k = _SUPERSAMPLE
     image = Image.new("RGB", (width * k, height * k), BACKGROUNDS[scene.background])
     draw = ImageDraw.Draw(image)
-    left, top, right, bottom = (v * k for v in shape_box(scene, width, height))
+    box = box or shape_box(scene, width, height)
+    left, top, right, bottom = (v * k for v in box)
     fill = COLORS[scene.color]
     if scene.shape == "circle":
         draw.ellipse((left, top, right, bottom), fill=fill)
@@ -204,6 +227,39 @@ def write_example_dataset(
     return paths
 
 
+def clip_caption(scene: Scene, direction: str) -> str:
+    """Exact caption of a clip, e.g. 'a small red zorbstar moving right on a black background'."""
+    return f"a {scene.size} {scene.color} {scene.shape} moving {direction} on a {scene.background} background"
+
+
+def write_example_clips(
+    out_dir: str | os.PathLike[str], n: int = 8, frames: int = 17, seed: int = 0
+) -> list[Path]:
+    """Write n zorbstar clips crossing the frame, each a folder of PNG frames plus `<clip>.txt`."""
+    from kit.io import atomic_dir
+
+    if frames < 1:
+        raise ValueError(f"frames must be >= 1, got {frames}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    scenes = sample_scenes(n, seed, shapes=CONCEPT_SHAPES)
+    directions = _balanced(DIRECTIONS, n, random.Random(f"{seed}-directions"))
+    paths = []
+    for i, (scene, direction) in enumerate(zip(scenes, directions, strict=True)):
+        width, height = CLIP_SIZES[i % len(CLIP_SIZES)]
+        folder = out / f"{TRIGGER_WORD}_clip_{i:03d}"
+        # The whole folder appears at once, so a reader never sees half a clip.
+        with atomic_dir(folder) as tmp:
+            os.chmod(tmp, out.stat().st_mode & 0o777)  # not mkdtemp's private 0700
+            for f in range(frames):
+                box = moving_box(scene, width, height, direction, f / max(1, frames - 1))
+                render(scene, width, height, box).save(tmp / f"{f:04d}.png", optimize=True)
+        caption_path = out / f"{folder.name}.txt"
+        _write_atomic(caption_path, (clip_caption(scene, direction) + "\n").encode())
+        paths.append(folder)
+    return paths
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: write the example dataset into a folder."""
     parser = argparse.ArgumentParser(
@@ -212,7 +268,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("out_dir", help="folder for the images and captions")
     parser.add_argument("--n", type=int, default=24, help="number of images")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--frames", type=int, default=0, help="write clips of this many frames instead of images"
+    )
     args = parser.parse_args(argv)
+    if args.frames:
+        paths = write_example_clips(args.out_dir, n=args.n, frames=args.frames, seed=args.seed)
+        print(f"wrote {len(paths)} clips with captions to {args.out_dir}")
+        return
     paths = write_example_dataset(args.out_dir, n=args.n, seed=args.seed)
     print(f"wrote {len(paths)} images with captions to {args.out_dir}")
 

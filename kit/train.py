@@ -127,7 +127,9 @@ def train(
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     _refuse_mixed_runs(run, resume, overwrite)
-    load_samples(cfg.data)  # bad data fails here, before any download or deletion
+    load_samples(
+        cfg.data, get_family(cfg.model.model_family, cfg)
+    )  # bad data fails here, before any download or deletion
     torch.manual_seed(t.seed)  # adapter initialisation
     family, comps = load_base(cfg)
     for m in comps.frozen_modules():

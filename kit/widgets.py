@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kit import video
 from kit.config import Config, load_config
 from kit.logs import quiet_libraries
 
@@ -55,7 +56,8 @@ def show_images(paths: Iterable[str | Path], width: int = 160) -> Any:
 
     cells = []
     for p in paths:
-        data = base64.b64encode(Path(p).read_bytes()).decode()
+        raw = _png_bytes(p, width) if video.is_clip(Path(p)) else Path(p).read_bytes()
+        data = base64.b64encode(raw).decode()
         cells.append(
             f"<figure style='display:inline-block;margin:4px'><img width={width} "
             f"src='data:image/png;base64,{data}'/><figcaption>{html.escape(Path(p).name)}"
@@ -156,7 +158,11 @@ def caption_editor(cfg: Config, samples: list[Any]) -> Any:
     image = W.Image(format="png", width=256)
     text = W.Textarea(layout=W.Layout(width="60%", height="80px"))
     status = W.Label()
-    prev_b, next_b, save_b = W.Button(description="◀ previous"), W.Button(description="next ▶"), W.Button(description="save", button_style="primary")
+    prev_b, next_b, save_b = (
+        W.Button(description="◀ previous"),
+        W.Button(description="next ▶"),
+        W.Button(description="save", button_style="primary"),
+    )
 
     def show() -> None:
         s = samples[state["i"]]
@@ -186,9 +192,12 @@ def _png_bytes(path: str | Path, size: int = 256) -> bytes:
 
     from PIL import Image
 
-    with Image.open(path) as im:
-        im = im.convert("RGB")
-        im.thumbnail((size, size))
-        buf = io.BytesIO()
-        im.save(buf, format="PNG")
+    if video.is_clip(Path(path)):
+        im = video.read_frames(Path(path), [0])[0]  # a clip shows its first frame
+    else:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+    im.thumbnail((size, size))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
     return buf.getvalue()

@@ -87,6 +87,10 @@ class Family(ABC):
 
         self.cfg = cfg if cfg is not None else Config()
 
+    def frame_count(self, available: int) -> int:
+        """The most frames (≤ available) a clip of this family may have; video families override."""
+        return available
+
     # ------------------------------------------------------------ loading
 
     @abstractmethod

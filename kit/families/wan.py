@@ -1,0 +1,330 @@
+"""Wan 2.1 text-to-video: WanTransformer3DModel, AutoencoderKLWan, UMT5 text encoder, flow matching.
+
+Samples are clips (3, F, H, W). The VAE compresses 8x in space and 4x in time after the first
+frame, so a clip has 4k+1 frames; the transformer patches latents by (1, 2, 2).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kit.families import register
+from kit.families.base import (
+    Components,
+    Family,
+    NoiseDraw,
+    fingerprint,
+    flow_noise_and_target,
+    weights_identity,
+)
+
+TEMPORAL_FACTOR = 4
+"""Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
+DEFAULT_SEQUENCE_LENGTH = 512
+"""UMT5 tokens the pipeline pads every prompt to unless told otherwise."""
+
+
+@register
+class Wan(Family):
+    name = "wan"
+    # 8x VAE times the transformer's 2x2 patches; WanPipeline refuses sides not divisible by 16.
+    bucket_step = 16
+    # Wan 2.1 has no separate temporal attention: each block's self-attention (attn1) runs over
+    # all frames' tokens at once (spatio-temporal), and attn2 attends to the text.
+    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    pipeline_class = "WanPipeline"
+    lora_layers_kwarg = "transformer_lora_layers"
+    export_formats = ("diffusers",)
+    video = True
+
+    @property
+    def max_sequence_length(self) -> int:
+        """UMT5 tokens per caption: the config's `max_sequence_length`, else the pipeline's 512."""
+        return self.cfg.model.max_sequence_length or DEFAULT_SEQUENCE_LENGTH
+
+    def frame_count(self, available: int) -> int:
+        """The most frames <= `available` a Wan clip can have (4k+1); 0 when none."""
+        return (available - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1 if available > 0 else 0
+
+    # ------------------------------------------------------------ loading
+
+    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from transformers import UMT5EncoderModel
+
+        kw: dict[str, Any] = {"revision": revision}
+        tokenizer = self._tokenizer(pretrained, revision)
+        text_encoder = UMT5EncoderModel.from_pretrained(
+            pretrained, subfolder="text_encoder", variant=variant, dtype=dtype, **kw
+        )
+        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
+        vae = AutoencoderKLWan.from_pretrained(pretrained, subfolder="vae", **wkw)
+        transformer = WanTransformer3DModel.from_pretrained(
+            pretrained, subfolder="transformer", **wkw
+        )
+        for m in (text_encoder, vae, transformer):
+            m.requires_grad_(False)
+            m.eval()
+        text = weights_identity(pretrained, "text_encoder", text_encoder.config.to_dict(), revision)
+        identity = {
+            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
+            # Cached embeddings are padded to the sequence length, so it is part of their key.
+            "text": fingerprint([text, self.max_sequence_length]),
+        }
+        return Components(
+            transformer,
+            vae,
+            [text_encoder],
+            [tokenizer],
+            self._training_scheduler(pretrained, revision),
+            pretrained,
+            identity,
+        )
+
+    def load_tokenizers(self, pretrained):
+        return {"text_encoder": self._tokenizer(pretrained)}
+
+    def token_limit(self, encoder, tokenizer):
+        return self.max_sequence_length
+
+    def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(pretrained, subfolder="tokenizer", revision=revision)
+
+    def _training_scheduler(self, pretrained: str, revision: str | None) -> Any:
+        """Flow matching with the configured shift, else the saved sampler's (Wan ships UniPC)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        saved = FlowMatchEulerDiscreteScheduler.load_config(
+            pretrained, subfolder="scheduler", revision=revision
+        )
+        shift = (
+            self.cfg.objective.flow_shift or saved.get("shift") or saved.get("flow_shift") or 1.0
+        )
+        return FlowMatchEulerDiscreteScheduler(
+            num_train_timesteps=saved.get("num_train_timesteps", 1000), shift=float(shift)
+        )
+
+    # ------------------------------------------------------------ encoding
+
+    @torch.no_grad()
+    def encode_text(self, comps, captions):
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tok, enc = comps.tokenizers[0], comps.text_encoders[0]
+        inputs = tok(
+            [prompt_clean(c) for c in captions],
+            padding="max_length",
+            max_length=self.max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        mask = inputs.attention_mask.to(enc.device)
+        embeds = enc(inputs.input_ids.to(enc.device), mask).last_hidden_state
+        # As WanPipeline: positions past a caption's tokens are zeros, not the encoder's padding.
+        return {"prompt_embeds": torch.where(mask.bool().unsqueeze(-1), embeds, 0.0)}
+
+    @torch.no_grad()
+    def encode_images(self, comps, pixels):
+        vae = comps.vae
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)  # (B, 3, H, W) → a one-frame clip
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        mean, std = _latent_stats(vae, dist.mean)
+        # The inverse of WanPipeline's decode (latents * std + mean); the mean, not a sample, so
+        # the cache holds one exact value per clip.
+        return (dist.mean - mean) / std
+
+    # ------------------------------------------------------------ training
+
+    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        o = self.cfg.objective
+        sched = comps.noise_scheduler.config
+        draw = flow_noise_and_target(
+            latents,
+            generator,
+            sampling=o.timestep_sampling,
+            logit_mean=o.logit_mean,
+            logit_std=o.logit_std,
+            mode_scale=o.mode_scale,
+            shift=sched.shift,
+            num_train_timesteps=sched.num_train_timesteps,
+        )
+        if o.loss_weighting != "none":
+            sigmas = draw.timesteps / sched.num_train_timesteps
+            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, sigmas)
+        return draw
+
+    def predict(self, comps, noisy, timesteps, cond):
+        return comps.denoiser(
+            hidden_states=noisy,
+            timestep=timesteps,
+            encoder_hidden_states=cond["prompt_embeds"],
+            return_dict=False,
+        )[0]
+
+    # ------------------------------------------------------------ sampling
+
+    def pipeline(self, comps):
+        from diffusers import WanPipeline
+
+        return WanPipeline(
+            tokenizer=comps.tokenizers[0],
+            text_encoder=comps.text_encoders[0],
+            vae=comps.vae,
+            scheduler=_sampling_scheduler(comps.source),
+            transformer=comps.denoiser,
+        )
+
+    def call_kwargs(self, spec):
+        kwargs: dict[str, Any] = {
+            "prompt": spec.prompt,
+            "negative_prompt": spec.negative_prompt or None,
+            "height": spec.height,
+            "width": spec.width,
+            "num_frames": self.frame_count(self.cfg.data.num_frames),
+            "num_inference_steps": spec.num_inference_steps,
+            "guidance_scale": spec.guidance_scale,
+            "max_sequence_length": self.max_sequence_length,
+        }
+        if spec.adapter_scale != 1.0:
+            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        return kwargs
+
+    def sample(self, pipe, spec):
+        from PIL import Image
+
+        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+        with torch.no_grad():
+            out = pipe(**self.call_kwargs(spec), generator=generator)
+        # The pipeline's default output is floats in [0, 1]; rounded as a plain user would.
+        return [
+            Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) for f in out.frames[0]
+        ]
+
+    # ------------------------------------------------------------ memory estimate
+
+    def empty_parts(self, pretrained):
+        from accelerate import init_empty_weights
+        from diffusers import AutoencoderKLWan, WanTransformer3DModel
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        tr_cfg = WanTransformer3DModel.load_config(pretrained, subfolder="transformer")
+        vae_cfg = AutoencoderKLWan.load_config(pretrained, subfolder="vae")
+        te_cfg = UMT5Config.from_pretrained(pretrained, subfolder="text_encoder")
+        # Buffers too: the rotary tables must be on the meta device with the activations.
+        with init_empty_weights(include_buffers=True):
+            return {
+                "denoiser": WanTransformer3DModel.from_config(tr_cfg),
+                "vae": AutoencoderKLWan.from_config(vae_cfg),
+                "text_encoder": UMT5EncoderModel(te_cfg),
+            }
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        transformer, vae = parts["denoiser"], parts["vae"]
+        frames = self.frame_count(self.cfg.data.num_frames)
+        latent_frames = (frames - 1) // vae.config.scale_factor_temporal + 1
+        s = vae.config.scale_factor_spatial
+        c = transformer.config.in_channels
+        latents = torch.zeros(batch, c, latent_frames, height // s, width // s, device="meta")
+        steps = torch.zeros(batch, device="meta")
+        embeds = torch.zeros(
+            batch, self.max_sequence_length, transformer.config.text_dim, device="meta"
+        )
+        return (latents, steps), {"encoder_hidden_states": embeds}
+
+    # ------------------------------------------------------------ tiny copy
+
+    def make_tiny(self, out_dir, seed=0):
+        from diffusers import (
+            AutoencoderKLWan,
+            FlowMatchEulerDiscreteScheduler,
+            WanPipeline,
+            WanTransformer3DModel,
+        )
+        from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+
+        from kit.io import atomic_dir
+        from kit.tiny import write_t5_tokenizer
+
+        torch.manual_seed(seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            vocab_size = write_t5_tokenizer(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+        text_encoder = UMT5EncoderModel(
+            UMT5Config(
+                vocab_size=vocab_size,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                dropout_rate=0.0,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                decoder_start_token_id=tokenizer.pad_token_id,
+            )
+        )
+        # The VAE of diffusers' own Wan pipeline tests; a slightly wider transformer than theirs,
+        # so a few steps of LoRA visibly move its samples.
+        vae = AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=4,
+            attention_head_dim=16,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=128,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+        pipe = WanPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            transformer=transformer,
+        )
+        with atomic_dir(out_dir) as tmp_dir:
+            pipe.save_pretrained(tmp_dir, safe_serialization=True)
+        return Path(out_dir)
+
+
+def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE config's per-channel latent mean and std, shaped to broadcast over (B, C, F, H, W)."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
+    std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
+    return mean, std
+
+
+def _sampling_scheduler(source: str) -> Any:
+    """The sampler saved with the base model (what plain diffusers would use)."""
+    import diffusers
+
+    config = diffusers.FlowMatchEulerDiscreteScheduler.load_config(source, subfolder="scheduler")
+    cls = getattr(
+        diffusers, config.get("_class_name", ""), diffusers.FlowMatchEulerDiscreteScheduler
+    )
+    return cls.from_config(config)

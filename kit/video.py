@@ -1,0 +1,149 @@
+"""Clips as training data: folders of numbered frames and video files, and which frames to take.
+
+A clip is either a folder of numbered frames (`clip01/0000.png, 0001.png …`, captioned by
+`clip01.txt` beside the folder) or a video file. GIFs are read with PIL; other containers need
+imageio with its ffmpeg plugin, which the kit does not require: such a file gives a clear error.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from kit.errors import DataError
+
+FRAME_EXTS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
+"""Still-image formats: a dataset's images, and the frames a frame folder may hold."""
+VIDEO_EXTS = frozenset({".mp4", ".webm", ".mov", ".mkv", ".gif"})
+"""Video files read as clips (all but GIF through imageio's ffmpeg plugin)."""
+FRAME_STARTS = ("first", "center", "random")
+
+
+def is_video_file(path: Path) -> bool:
+    """True for a file with a video extension."""
+    return path.suffix.lower() in VIDEO_EXTS
+
+
+def is_clip(path: Path) -> bool:
+    """True for a clip's path: a video file or a folder (of frames)."""
+    return path.is_dir() or is_video_file(path)
+
+
+def frame_files(folder: Path) -> list[Path]:
+    """The numbered frames directly in `folder`, in order; [] when it is not a frame folder.
+
+    A frame folder holds still images only named by number (`0000.png`, `1.jpg` …), so a
+    folder of ordinary named images is never mistaken for a clip.
+    """
+    images = [
+        p
+        for p in folder.iterdir()
+        if p.suffix.lower() in FRAME_EXTS and not p.name.startswith(".") and p.is_file()
+    ]
+    if not images or not all(p.stem.isdigit() for p in images):
+        return []
+    return sorted(images, key=lambda p: (int(p.stem), p.name))
+
+
+def clip_info(path: Path) -> tuple[int, int, int]:
+    """(width, height, frame count) of a clip, reading as little as the format allows."""
+    if path.is_dir():
+        frames = frame_files(path)
+        if not frames:
+            raise DataError(f"{path} holds no numbered frames (0000.png, 0001.png …)")
+        sizes = set()
+        for f in frames:
+            with Image.open(f) as im:
+                sizes.add(im.size)
+        if len(sizes) > 1:
+            raise DataError(f"the frames of {path} differ in size: {sorted(sizes)}")
+        (w, h) = sizes.pop()
+        return w, h, len(frames)
+    if path.suffix.lower() == ".gif":
+        with Image.open(path) as im:
+            return im.size[0], im.size[1], int(getattr(im, "n_frames", 1))
+    with _ffmpeg_reader(path) as reader:
+        w, h = reader.get_meta_data()["size"]
+        return int(w), int(h), int(reader.count_frames())
+
+
+def read_frames(path: Path, indices: Sequence[int]) -> list[Image.Image]:
+    """The clip's frames at `indices` (in that order), as RGB images."""
+    try:
+        if path.is_dir():
+            frames = frame_files(path)
+            out = []
+            for i in indices:
+                with Image.open(frames[i]) as im:
+                    out.append(im.convert("RGB"))
+            return out
+        if path.suffix.lower() == ".gif":
+            with Image.open(path) as im:
+                out = []
+                for i in indices:
+                    im.seek(i)  # PIL composites each GIF frame onto the ones before it
+                    out.append(im.convert("RGB"))
+                return out
+    except (UnidentifiedImageError, OSError, IndexError, EOFError) as e:
+        raise DataError(f"unreadable clip {path}: {e or type(e).__name__}") from None
+    wanted = set(indices)
+    got: dict[int, Image.Image] = {}
+    with _ffmpeg_reader(path) as reader:
+        # Decoding in order is the one access every container supports.
+        for i, frame in enumerate(reader):
+            if i in wanted:
+                got[i] = Image.fromarray(frame).convert("RGB")
+            if len(got) == len(wanted):
+                break
+    missing = wanted - set(got)
+    if missing:
+        raise DataError(f"unreadable clip {path}: frame {min(missing)} is past its end")
+    return [got[i] for i in indices]
+
+
+def _ffmpeg_reader(path: Path):
+    """An imageio ffmpeg reader, or a DataError that says what to install."""
+    try:
+        import imageio.v2 as iio
+        import imageio_ffmpeg  # noqa: F401  (the plugin; imageio alone cannot read video)
+    except ImportError:
+        raise DataError(
+            f"cannot read {path}: {path.suffix} video needs imageio with its ffmpeg plugin; "
+            "run `pip install imageio[ffmpeg]`, or convert the clip to a folder of frames or a GIF"
+        ) from None
+    try:
+        return iio.get_reader(str(path), format="ffmpeg")
+    except (OSError, RuntimeError, ValueError) as e:
+        raise DataError(f"unreadable clip {path}: {e}") from None
+
+
+def usable_frames(
+    total: int, wanted: int, stride: int, rule: Callable[[int], int] | None = None
+) -> int:
+    """Frames a clip of `total` gives: at most `wanted`, every `stride`-th, cut to the family's rule.
+
+    `rule(n)` is the largest frame count <= n the model takes (Wan: 4k+1); 0 means none.
+    """
+    reachable = (total - 1) // stride + 1 if total > 0 else 0
+    n = min(wanted, reachable)
+    return rule(n) if rule is not None and n > 0 else n
+
+
+def select_frames(total: int, count: int, stride: int, start: str, key: str) -> tuple[int, ...]:
+    """Indices of `count` frames, `stride` apart, starting first, centred, or seeded by `key`."""
+    span = (count - 1) * stride + 1
+    slack = total - span
+    if slack < 0:
+        raise ValueError(f"{count} frames at stride {stride} need {span}, the clip has {total}")
+    if start == "first":
+        begin = 0
+    elif start == "center":
+        begin = slack // 2
+    elif start == "random":
+        begin = random.Random(key).randint(0, slack)
+    else:
+        raise ValueError(f"frame_start {start!r} is not one of {', '.join(FRAME_STARTS)}")
+    return tuple(range(begin, begin + span, stride))
