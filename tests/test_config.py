@@ -369,7 +369,7 @@ def test_demo_config_loads_and_validates():
     path = ROOT / "datasets_example" / "config.json"
     cfg = load_config(path)
     assert cfg.model.model_family == "sd15"
-    assert Path(cfg.model.pretrained_model) == (ROOT / "runs" / "base" / "tiny-sd15").resolve()
+    assert Path(cfg.model.pretrained_model) == (ROOT / "models" / "toy-sd15").resolve()
     assert Path(cfg.data.image_dir) == (ROOT / "datasets_example" / "images").resolve()
     assert cfg.data.trigger_words == ["zorbstar"]
     assert len(cfg.validation.validation_prompt) == 2

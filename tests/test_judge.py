@@ -1,0 +1,49 @@
+"""The judge reads generator images back to their scenes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kit import toyworld
+from kit.judge import ATTRIBUTES, judge, score
+
+
+@pytest.mark.parametrize("size", [(64, 64), (96, 64), (128, 128), (128, 192)])
+def test_judge_reads_generator_images(size):
+    scenes = toyworld.sample_scenes(60, seed=7)
+    images = [toyworld.render(s, *size) for s in scenes]
+    result = score(images, scenes)
+    for attr in ATTRIBUTES:
+        assert result[attr] >= 0.98, (attr, size, result[attr])
+
+
+def test_judge_tells_the_concept_shape_apart():
+    scenes = toyworld.sample_scenes(36, seed=3, shapes=toyworld.CONCEPT_SHAPES + toyworld.SHAPES)
+    images = [toyworld.render(s, 64, 64) for s in scenes]
+    assert score(images, scenes)["shape"] >= 0.98
+
+
+def test_judge_survives_noise_and_blur():
+    from PIL import ImageFilter
+
+    rng = np.random.default_rng(0)
+    scenes = toyworld.sample_scenes(48, seed=11, shapes=toyworld.SHAPES + toyworld.CONCEPT_SHAPES)
+    images = []
+    for s in scenes:
+        im = toyworld.render(s, 64, 64).filter(ImageFilter.GaussianBlur(1.0))
+        noisy = np.asarray(im, dtype=np.float64) + rng.normal(0, 12, (64, 64, 3))
+        images.append(np.clip(noisy, 0, 255).astype(np.uint8))
+    result = score(images, scenes)
+    assert result["color"] >= 0.95 and result["background"] >= 0.95
+    assert result["shape"] >= 0.9 and result["position"] >= 0.95
+
+
+def test_judge_is_deterministic_and_reports_empty_images():
+    im = toyworld.render(toyworld.Scene("blue", "triangle", "small", "gray", "left"), 64, 64)
+    assert judge(im) == judge(im)
+    blank = np.full((64, 64, 3), 255, dtype=np.uint8)
+    verdict = judge(blank)
+    assert verdict["found"] is False and verdict["background"] == "white"
+    with pytest.raises(ValueError, match="expectations"):
+        score([im], [])
