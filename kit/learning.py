@@ -77,24 +77,10 @@ def learning_report(
 
     `seeds` images per group and scale, spread over `per_group` prompts.
     """
-    from kit import checkpoint as ckpt
-    from kit.config import load_config
-    from kit.errors import KitError
     from kit.io import write_json
-    from kit.network import build_network
-    from kit.runs import open_run
-    from kit.train import load_base
-    from kit.validate import ImageSpec, run_validation
+    from kit.validate import ImageSpec, load_trained, run_validation
 
-    run = open_run(run_dir)
-    cfg = load_config(run.config)
-    source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
-    if source is None:
-        raise KitError(f"{run.root} has no complete checkpoint")
-    family, comps = load_base(cfg)
-    net = build_network(cfg, family)
-    net.attach(comps)
-    net.load_state_dict(comps, ckpt.exported_weights(source))
+    run, cfg, family, comps, source = load_trained(run_dir, checkpoint)
     pipe = family.pipeline(comps)
     trigger = (cfg.data.trigger_words or [toyworld.TRIGGER_WORD])[0]
     captions = [r["caption"] for r in json.loads(run.manifest.read_text())]

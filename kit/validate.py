@@ -147,16 +147,9 @@ def read_sidecar(path: str | Path) -> tuple[ImageSpec, dict[str, Any]]:
     return ImageSpec(**{k: record[k] for k in fields if k in record}), record
 
 
-def draw_checkpoint(
-    run_dir: str | Path,
-    checkpoint: str | Path | None = None,
-    scales: tuple[float, ...] | list[float] = (1.0,),
-    prompts: list[str] | None = None,
-) -> Path:
-    """Draw a checkpoint's validation images at each adapter scale (0 = the base model alone).
-
-    Writes `validation/<checkpoint>-scales/`; rows are prompt × scale, columns are seeds.
-    """
+def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Any, ...]:
+    """(run, config, family, components, checkpoint folder): the base with a checkpoint's
+    trained weights (the EMA average when there is one) in place; the latest by default."""
     from kit import checkpoint as ckpt
     from kit.config import load_config
     from kit.errors import KitError
@@ -173,6 +166,20 @@ def draw_checkpoint(
     net = build_network(cfg, family)
     net.attach(comps)
     net.load_state_dict(comps, ckpt.exported_weights(source))
+    return run, cfg, family, comps, source
+
+
+def draw_checkpoint(
+    run_dir: str | Path,
+    checkpoint: str | Path | None = None,
+    scales: tuple[float, ...] | list[float] = (1.0,),
+    prompts: list[str] | None = None,
+) -> Path:
+    """Draw a checkpoint's validation images at each adapter scale (0 = the base model alone).
+
+    Writes `validation/<checkpoint>-scales/`; rows are prompt × scale, columns are seeds.
+    """
+    run, cfg, family, comps, source = load_trained(run_dir, checkpoint)
     if prompts is None:
         captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
         prompts = default_prompts(cfg, captions)
