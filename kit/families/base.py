@@ -249,6 +249,16 @@ class Family(ABC):
         return out
 
 
+def saved_scheduler(source: str, default: str) -> Any:
+    """The sampler saved with the base model (what plain diffusers would use); `default` names
+    the diffusers class to read it with when the config does not name one."""
+    import diffusers
+
+    fallback = getattr(diffusers, default)
+    config = fallback.load_config(source, subfolder="scheduler")
+    return getattr(diffusers, config.get("_class_name", ""), fallback).from_config(config)
+
+
 def fingerprint(obj: Any) -> str:
     """A short stable hash of JSON-able data."""
     blob = json.dumps(obj, sort_keys=True, default=str).encode()

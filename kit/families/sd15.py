@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import Components, Family, weights_identity
+from kit.families.base import Components, Family, saved_scheduler, weights_identity
 
 
 @register
@@ -79,7 +79,7 @@ class SD15(Family):
     def pipeline(self, comps):
         from diffusers import StableDiffusionPipeline
 
-        scheduler = _sampling_scheduler(comps.source)
+        scheduler = saved_scheduler(comps.source, "DDIMScheduler")
         return StableDiffusionPipeline(
             vae=comps.vae,
             text_encoder=comps.text_encoders[0],
@@ -191,12 +191,3 @@ class SD15(Family):
         with atomic_dir(out_dir) as tmp_dir:
             pipe.save_pretrained(tmp_dir, safe_serialization=True)
         return Path(out_dir)
-
-
-def _sampling_scheduler(source: str) -> Any:
-    """The sampler saved with the base model (what plain diffusers would use)."""
-    import diffusers
-
-    config = diffusers.DDIMScheduler.load_config(source, subfolder="scheduler")
-    cls = getattr(diffusers, config.get("_class_name", ""), diffusers.DDIMScheduler)
-    return cls.from_config(config)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import Components, Family, fingerprint, weights_identity
+from kit.families.base import Components, Family, fingerprint, saved_scheduler, weights_identity
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
@@ -125,7 +125,7 @@ class SDXL(Family):
             tokenizer=comps.tokenizers[0],
             tokenizer_2=comps.tokenizers[1],
             unet=comps.denoiser,
-            scheduler=_sampling_scheduler(comps.source),
+            scheduler=saved_scheduler(comps.source, "EulerDiscreteScheduler"),
             force_zeros_for_empty_prompt=saved.get("force_zeros_for_empty_prompt", True),
             **self.pipeline_kwargs,
         )
@@ -251,12 +251,3 @@ class SDXL(Family):
         with atomic_dir(out_dir) as tmp_dir:
             pipe.save_pretrained(tmp_dir, safe_serialization=True)
         return Path(out_dir)
-
-
-def _sampling_scheduler(source: str) -> Any:
-    """The sampler saved with the base model (what plain diffusers would use)."""
-    import diffusers
-
-    config = diffusers.EulerDiscreteScheduler.load_config(source, subfolder="scheduler")
-    cls = getattr(diffusers, config.get("_class_name", ""), diffusers.EulerDiscreteScheduler)
-    return cls.from_config(config)

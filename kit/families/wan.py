@@ -20,6 +20,7 @@ from kit.families.base import (
     NoiseDraw,
     fingerprint,
     flow_noise_and_target,
+    saved_scheduler,
     weights_identity,
 )
 
@@ -182,7 +183,7 @@ class Wan(Family):
             tokenizer=comps.tokenizers[0],
             text_encoder=comps.text_encoders[0],
             vae=comps.vae,
-            scheduler=_sampling_scheduler(comps.source),
+            scheduler=saved_scheduler(comps.source, "FlowMatchEulerDiscreteScheduler"),
             transformer=comps.denoiser,
         )
 
@@ -317,14 +318,3 @@ def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
     std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
     return mean, std
-
-
-def _sampling_scheduler(source: str) -> Any:
-    """The sampler saved with the base model (what plain diffusers would use)."""
-    import diffusers
-
-    config = diffusers.FlowMatchEulerDiscreteScheduler.load_config(source, subfolder="scheduler")
-    cls = getattr(
-        diffusers, config.get("_class_name", ""), diffusers.FlowMatchEulerDiscreteScheduler
-    )
-    return cls.from_config(config)
