@@ -25,6 +25,11 @@ class RunDir:
         return self.root / "dataset_manifest.json"
 
     @property
+    def data_report(self) -> Path:
+        """Every dataset file skipped or changed, with why (a JSON list of file and reason)."""
+        return self.root / "data_report.json"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "logs" / "metrics.jsonl"
 

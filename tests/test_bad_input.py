@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from kit.cli import main
 
@@ -82,16 +85,33 @@ def test_images_without_captions(capsys, make_config, dataset):
     for txt in dataset.glob("*.txt"):
         txt.unlink()
     err = refused(capsys, "train", make_config())
-    assert "no caption file" in err
+    assert "no usable images" in err and "no caption file" in err
     assert str(dataset / "zorbstar_000.png") in err
 
 
-def test_unreadable_image(capsys, make_config, dataset):
-    bad = dataset / "broken.png"
-    bad.write_bytes(b"this is not a png at all" * 10)
-    (dataset / "broken.txt").write_text("a broken image")
-    err = refused(capsys, "train", make_config())
-    assert "unreadable image" in err and str(bad) in err
+def test_broken_images_are_skipped_and_reported(capsys, make_config, few_images, tmp_path):
+    """A corrupt, an empty and a truncated file are left out; the run trains on the rest."""
+    (few_images / "broken.png").write_bytes(b"this is not a png at all" * 10)
+    (few_images / "empty.png").write_bytes(b"")
+    arr = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(arr).save(few_images / "cut.png")
+    data = (few_images / "cut.png").read_bytes()
+    (few_images / "cut.png").write_bytes(data[: len(data) // 2])  # header fine, pixels cut off
+    for name in ("broken", "empty", "cut"):
+        (few_images / f"{name}.txt").write_text(f"a {name} image")
+    rc, out, err = kit(capsys, "train", make_config(max_train_steps=1))
+    assert rc == 0, err
+    (line,) = [x for x in out.splitlines() if x.startswith("data:")]
+    assert "3 skipped" in line and "data_report.json" in line
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    why = {Path(e["file"]).name: e["reason"] for e in report}
+    assert set(why) == {"broken.png", "empty.png", "cut.png"}
+    assert "not an image" in why["broken.png"] and "0 bytes" in why["empty.png"]
+    assert "truncated" in why["cut.png"]
+    manifest = json.loads((tmp_path / "run" / "dataset_manifest.json").read_text())
+    assert sorted(Path(m["image"]).name for m in manifest) == sorted(
+        p.name for p in few_images.glob("zorbstar_*.png")
+    )
 
 
 def test_empty_image_folder(capsys, make_config, tmp_path):
