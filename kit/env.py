@@ -73,7 +73,9 @@ def _ram_gib() -> float | None:
 
 def in_colab() -> bool:
     """True inside Google Colab."""
-    return "COLAB_RELEASE_TAG" in os.environ or "COLAB_GPU" in os.environ
+    from kit import colab
+
+    return colab.in_colab() or "COLAB_RELEASE_TAG" in os.environ
 
 
 def report(path: str | Path = ".") -> dict[str, Any]:
