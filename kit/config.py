@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kit.errors import ConfigError
+from kit.images import parse_color
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
 
@@ -73,22 +74,87 @@ class DataConfig:
     """Crop to the bucket at the centre; false crops at a seeded random offset."""
     cache_dir: str = field(default="", metadata=PATH)
     """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
+    alpha_background: str = "white"
+    """Colour laid under transparent images (a colour name or `#rrggbb`), as they train as RGB."""
+    min_image_size: int = 32
+    """Images (and clips) shorter than this on their short side are skipped and reported."""
+    max_image_pixels: int = 178_956_970
+    """Images with more pixels than this (read from the header) are refused as decompression bombs."""
     num_frames: int = 17
     """Frames per training clip (video families); Wan wants 4k+1 (5, 9, 17, 33, 81)."""
     frame_stride: int = 1
     """Take every n-th frame of a clip (video families)."""
     frame_start: Literal["first", "center", "random"] = "first"
     """Where in a longer clip the frames start: at the beginning, centred, or seeded random."""
+    caption_shuffle: bool = False
+    """Shuffle a caption's comma-separated tags each time it is used (after `keep_tokens`)."""
+    keep_tokens: int = 0
+    """The first N comma-separated tags of a caption (e.g. the trigger) never move or drop."""
+    priority_tags: list[str] = field(default_factory=list)
+    """Tags that are never dropped by `tag_dropout` or `tag_count_range`, wherever they stand."""
+    tag_dropout: float = 0.0
+    """Chance that each tag not kept (by `keep_tokens` or `priority_tags`) is left out; 0 is off."""
+    tag_count_range: list[int] = field(default_factory=list)
+    """`[min, max]`: keep a uniformly random number of tags in this range; empty is off."""
+    caption_variants: int = 1
+    """Augmented variants precomputed per caption when text embeddings are cached."""
+    buckets: list[list[int]] = field(default_factory=list)
+    """Explicit `[[width, height], ...]` buckets (multiples of the bucket step); empty generates
+    them from `resolution`, `resolution_type` and `max_aspect_ratio`."""
+    max_upscale: float = 2.0
+    """Largest factor an image may be enlarged to cover its bucket; smaller images are dropped."""
+    random_flip: bool = False
+    """Mirror about half the images horizontally (chosen per image by the seed; cached as such)."""
+    small_bucket_policy: Literal["drop", "repeat", "merge"] = "repeat"
+    """A bucket with fewer images than one effective batch (batch × accumulation × processes):
+    `repeat` its images to fill one, `merge` them into the nearest bucket with enough, or `drop`."""
 
     def __post_init__(self) -> None:
         if self.resolution < 32:
             raise ConfigError(f"resolution: {self.resolution} is too small (at least 32)")
+        try:
+            parse_color(self.alpha_background)
+        except ValueError:
+            raise ConfigError(
+                f"alpha_background: {self.alpha_background!r} must be a colour name "
+                "(white, black, gray...) or #rrggbb"
+            ) from None
+        if self.min_image_size < 1 or self.max_image_pixels < 1:
+            raise ConfigError("min_image_size and max_image_pixels must be at least 1")
         if self.num_frames < 1 or self.frame_stride < 1:
             raise ConfigError("num_frames and frame_stride must be at least 1")
         if self.bucket_step < 0 or self.bucket_step % 8:
             raise ConfigError(f"bucket_step: {self.bucket_step} must be 0 or a positive multiple of 8")
         if self.max_aspect_ratio < 1.0:
             raise ConfigError(f"max_aspect_ratio: {self.max_aspect_ratio} must be at least 1.0")
+        if self.keep_tokens < 0:
+            raise ConfigError(f"keep_tokens: {self.keep_tokens} must be 0 or more")
+        if not 0.0 <= self.tag_dropout < 1.0:
+            raise ConfigError(f"tag_dropout: {self.tag_dropout} must be in [0, 1)")
+        if self.tag_count_range and (
+            len(self.tag_count_range) != 2
+            or not 0 <= self.tag_count_range[0] <= self.tag_count_range[1]
+        ):
+            raise ConfigError(
+                f"tag_count_range: {self.tag_count_range} must be [] or [min, max], 0 <= min <= max"
+            )
+        if self.caption_variants < 1:
+            raise ConfigError(f"caption_variants: {self.caption_variants} must be at least 1")
+        if any(not t.strip() for t in self.priority_tags):
+            raise ConfigError(f"priority_tags: {self.priority_tags} holds an empty tag")
+        for b in self.buckets:
+            if not (
+                isinstance(b, list | tuple)
+                and len(b) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in b)
+            ):
+                raise ConfigError(f"buckets: {b!r} must be [width, height] in positive pixels")
+            if self.bucket_step and (b[0] % self.bucket_step or b[1] % self.bucket_step):
+                raise ConfigError(
+                    f"buckets: {list(b)} is not a multiple of bucket_step {self.bucket_step}"
+                )
+        if self.max_upscale < 1.0:
+            raise ConfigError(f"max_upscale: {self.max_upscale} must be at least 1.0")
 
 
 @dataclass
@@ -349,7 +415,17 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+SECRET_KEYS = {"token", "hf_token", "hub_token", "huggingface_token", "access_token", "auth_token"}
+"""Keys refused with a pointer to the environment: a config is saved into the run folder."""
+
+
 def _unknown(key: str, valid: list[str], where: str = "") -> str:
+    if key.lower().replace("-", "_") in SECRET_KEYS:
+        return (
+            f"config key '{key}'{where} is refused: access tokens never go in a config file, "
+            "which is copied into the run folder; set the HF_TOKEN environment variable instead "
+            "(or run `hf auth login`)"
+        )
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown config key '{key}'{where}{hint}"

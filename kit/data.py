@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import random
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -16,16 +17,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 from safetensors.torch import load_file, save_file
 
 from kit import video
 from kit.config import Config, DataConfig
-from kit.errors import DataError
+from kit.errors import ConfigError, DataError
+from kit.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb, probe
 from kit.io import write_with
 
 IMAGE_EXTS = set(video.FRAME_EXTS)
-_ORIENTATION_TAG = 274  # EXIF orientations 5-8 swap width and height
 
 
 @dataclass
@@ -47,19 +48,52 @@ class Sample:
 
 @dataclass
 class ScanReport:
-    """What a dataset folder holds, and what is wrong with it."""
+    """What a dataset folder holds, and every file that is skipped or looks wrong, with why."""
 
     samples: list[Sample] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
     orphan_captions: list[Path] = field(default_factory=list)
     empty_captions: list[Path] = field(default_factory=list)
     unreadable: list[tuple[Path, str]] = field(default_factory=list)
+    """Files that cannot be decoded (corrupt, cut short, empty), with why."""
     duplicate_stems: list[str] = field(default_factory=list)
     short_clips: list[tuple[Path, str]] = field(default_factory=list)
     """Clips too short for even the family's smallest clip, with why."""
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Readable files left out for another reason (too small, too large, ambiguous caption)."""
+    warnings: list[tuple[Path, str]] = field(default_factory=list)
+    """Files used, but not as they are on disk (a caption that is not UTF-8), with what was done."""
+
+    def dropped(self) -> list[tuple[Path, str]]:
+        """Every file that was found but is not trained on, with why."""
+        missing = [(p, "no caption file") for p in self.missing_captions]
+        return sorted(self.unreadable + self.short_clips + self.skipped + missing)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The data report: each dropped file and each warning, as {"file", "reason", "skipped"}."""
+        notes = (
+            self.warnings
+            + [(p, "empty caption: trained with an empty caption") for p in self.empty_captions]
+            + [(p, "caption file without an image") for p in self.orphan_captions]
+        )
+        return [{"file": str(p), "reason": why, "skipped": True} for p, why in self.dropped()] + [
+            {"file": str(p), "reason": why, "skipped": False} for p, why in sorted(notes)
+        ]
+
+    def summary(self) -> str:
+        """One line: how many files are used, skipped and warned about."""
+        skipped = self.dropped()
+        total = len(self.samples) + len(skipped)
+        line = f"{len(self.samples)} of {total} file(s) usable"
+        if skipped:
+            first = skipped[0]
+            line += f"; {len(skipped)} skipped (first: {first[0].name}: {first[1]})"
+        if self.warnings:
+            line += f"; {len(self.warnings)} warning(s)"
+        return line
 
     def problems(self) -> list[str]:
-        """One line per problem that stops training."""
+        """One line per kind of problem found; the files concerned are skipped."""
         out = []
         if self.unreadable:
             path, why = self.unreadable[0]
@@ -78,6 +112,10 @@ class ScanReport:
                 else ""
             )
             out.append(f"{len(self.missing_captions)} image(s) have no caption file: {names}{more}")
+        if self.skipped:
+            path, why = self.skipped[0]
+            more = f" (and {len(self.skipped) - 1} more)" if len(self.skipped) > 1 else ""
+            out.append(f"skipped {path}: {why}{more}")
         if self.duplicate_stems:
             out.append(
                 "images share a name but differ in extension, so a caption is ambiguous: "
@@ -86,51 +124,101 @@ class ScanReport:
         return out
 
 
-def _caption_path(image: Path, cfg: DataConfig) -> Path:
+def _caption_path(image: Path, cfg: DataConfig, is_dir: bool | None = None) -> Path:
     folder = Path(cfg.caption_dir) if cfg.caption_dir else image.parent
     if cfg.caption_dir:
         folder = folder / image.parent.relative_to(Path(cfg.image_dir))
     # A frame folder `clip.v2/` is captioned by `clip.v2.txt`: its whole name is the stem.
-    stem = image.name if image.is_dir() else image.stem
+    stem = image.name if (image.is_dir() if is_dir is None else is_dir) else image.stem
     return folder / (stem + cfg.caption_extension)
+
+
+@dataclass
+class _Tree:
+    """Files and folders under a dataset folder, and the folder links that lead back into it."""
+
+    files: list[Path]
+    dirs: list[Path]
+    loops: list[Path]
+
+
+def _walk(root: Path) -> _Tree:
+    """Every non-hidden file and folder under `root`, following folder links once each.
+
+    A link to a folder is followed (datasets are often linked in), but a folder already seen
+    through another path (a link to a parent, say) is not entered again, so a scan always ends.
+    """
+    files: list[Path] = []
+    dirs: list[Path] = []
+    loops: list[Path] = []
+    seen = {os.path.realpath(root)}
+    for top, subdirs, names in os.walk(root, followlinks=True):
+        keep = []
+        for d in sorted(subdirs):
+            path = Path(top, d)
+            real = os.path.realpath(path)
+            if d.startswith("."):
+                continue
+            if real in seen:
+                loops.append(path)
+                continue
+            seen.add(real)
+            keep.append(d)
+        subdirs[:] = keep
+        dirs += [Path(top, d) for d in keep]
+        files += [Path(top, n) for n in names if not n.startswith(".")]
+    return _Tree(sorted(files), sorted(dirs), sorted(loops))
+
+
+def _images_of(tree: _Tree) -> list[Path]:
+    # `os.walk` lists non-folders only: a broken link among them is reported when it is read.
+    return [p for p in tree.files if p.suffix.lower() in IMAGE_EXTS]
+
+
+def _clips_of(tree: _Tree) -> list[Path]:
+    return sorted(
+        [p for p in tree.files if video.is_video_file(p) and p.is_file()]
+        + [d for d in tree.dirs if video.frame_files(d)]
+    )
 
 
 def list_images(image_dir: Path) -> list[Path]:
     """Image files under a folder (recursively, skipping hidden folders), sorted."""
-    return sorted(
-        p
-        for p in image_dir.rglob("*")
-        if p.suffix.lower() in IMAGE_EXTS
-        and p.is_file()
-        and not any(part.startswith(".") for part in p.relative_to(image_dir).parts)
-    )
+    return _images_of(_walk(Path(image_dir)))
 
 
-def image_size(path: Path) -> tuple[int, int]:
+def image_size(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """Width and height as displayed (after EXIF rotation), read without decoding pixels."""
-    with Image.open(path) as im:
-        w, h = im.size
-        if im.getexif().get(_ORIENTATION_TAG, 1) in (5, 6, 7, 8):
-            w, h = h, w
-    return w, h
+    return probe(path, max_pixels)
 
 
 def list_clips(image_dir: Path) -> list[Path]:
     """Video files and frame folders under a folder (recursively, skipping hidden ones), sorted."""
-    return sorted(
-        p
-        for p in image_dir.rglob("*")
-        if not any(part.startswith(".") for part in p.relative_to(image_dir).parts)
-        and (p.is_file() and video.is_video_file(p) or p.is_dir() and video.frame_files(p))
-    )
+    return _clips_of(_walk(Path(image_dir)))
+
+
+def _read_caption(path: Path, report: ScanReport) -> str:
+    """A caption file's text; bytes that are not UTF-8 are replaced and the file noted."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        text = raw.decode("utf-8-sig", errors="replace")
+        report.warnings.append(
+            (path, f"caption is not UTF-8 (byte {e.start}); undecodable bytes replaced with U+FFFD")
+        )
+    return text.strip()
 
 
 def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     """Read the dataset folder: images (and clips), their captions and every problem found.
 
-    The family decides what is read: an image family reads images only; a video family also
+    Nothing here stops a run: each file that cannot be used is recorded with its reason and left
+    out. The family decides what is read: an image family reads images only; a video family also
     reads clips and holds them to its frame rule. Without a family (a caption report before a
     model is chosen) a clip is read where it has a caption, so stray videos are left alone.
+    Images that share a name but not an extension (`cat.jpg`, `cat.png`) are both skipped when
+    captions come from text files, as either could be the one `cat.txt` describes.
     """
     image_dir = Path(cfg.image_dir)
     if not cfg.image_dir:
@@ -140,23 +228,46 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     if cfg.caption_dir and not Path(cfg.caption_dir).is_dir():
         raise DataError(f"caption folder not found: {cfg.caption_dir} (caption_dir)")
     report = ScanReport()
+    tree = _walk(image_dir)
+    report.skipped += [(p, "folder link back into the dataset: not read twice") for p in tree.loops]
     reads_clips = family is None or family.video
-    clips = (
-        [c for c in list_clips(image_dir) if _counts_as_clip(c, cfg, family)] if reads_clips else []
-    )
+    clips = [c for c in _clips_of(tree) if _counts_as_clip(c, cfg, family)] if reads_clips else []
     clip_set = set(clips)
     in_clips = {f for c in clips if c.is_dir() for f in video.frame_files(c)}
-    images = [p for p in list_images(image_dir) if p not in in_clips]
+    images = [p for p in _images_of(tree) if p not in in_clips]
     stems = Counter(p if p.is_dir() else p.with_suffix("") for p in images + clips)
     report.duplicate_stems = sorted(str(s) for s, n in stems.items() if n > 1)
+    ambiguous = set(report.duplicate_stems) if cfg.caption_strategy == "textfile" else set()
     rule = family.frame_count if family is not None and family.video else None
     used_captions = set()
+    # The walk already listed every file: caption look-ups need no system call per image.
+    listed = set(tree.files) if not cfg.caption_dir else None
+    folders = set(tree.dirs)
     for path in sorted(images + clips):
         is_clip = path in clip_set
+        is_dir = path in folders
+        cap = _caption_path(path, cfg, is_dir)
+        # A skipped image's caption is accounted for by the image, not reported as an orphan.
+        used_captions.add(os.path.abspath(cap))
+        if ambiguous and str(path if is_dir else path.with_suffix("")) in ambiguous:
+            others = sorted(
+                p.name for p in images + clips if p.with_suffix("") == path.with_suffix("")
+            )
+            report.skipped.append(
+                (path, f"ambiguous caption: {', '.join(others)} share one caption name; rename one")
+            )
+            continue
         try:
-            w, h, total = video.clip_info(path) if is_clip else (*image_size(path), 1)
+            w, h, total = (
+                video.clip_info(path) if is_clip else (*probe(path, cfg.max_image_pixels), 1)
+            )
         except (DataError, UnidentifiedImageError, OSError, SyntaxError) as e:
             report.unreadable.append((path, str(e) or type(e).__name__))
+            continue
+        if min(w, h) < cfg.min_image_size:
+            report.skipped.append(
+                (path, f"too small: {w}x{h}, under min_image_size {cfg.min_image_size} px")
+            )
             continue
         if cfg.caption_strategy == "filename":
             caption = (
@@ -165,12 +276,14 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
         elif cfg.caption_strategy == "instanceprompt":
             caption = cfg.instance_prompt
         else:
-            cap = _caption_path(path, cfg)
-            if not cap.is_file():
+            if not (cap in listed if listed is not None else cap.is_file()):
                 report.missing_captions.append(path)
                 continue
-            used_captions.add(cap.resolve())
-            caption = cap.read_text(encoding="utf-8", errors="replace").strip()
+            try:
+                caption = _read_caption(cap, report)
+            except OSError as e:
+                report.unreadable.append((path, f"caption {cap}: {e.strerror or e}"))
+                continue
             if not caption:
                 report.empty_captions.append(cap)
         frames = 1
@@ -183,7 +296,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     if cfg.caption_strategy == "textfile":
         cap_root = Path(cfg.caption_dir) if cfg.caption_dir else image_dir
         for cap in sorted(cap_root.rglob("*" + cfg.caption_extension)):
-            if cap.resolve() not in used_captions and not any(
+            if os.path.abspath(cap) not in used_captions and not any(
                 part.startswith(".") for part in cap.relative_to(cap_root).parts
             ):
                 report.orphan_captions.append(cap)
@@ -222,15 +335,21 @@ def _clip_frames(total: int, cfg: DataConfig, rule: Any) -> tuple[int, str]:
     )
 
 
-def load_samples(cfg: DataConfig, family: Any = None) -> list[Sample]:
-    """The usable samples, or a DataError naming the first problem (see `scan` for `family`)."""
+def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
+    """The scan of the dataset, or a DataError when not one usable sample is left in it."""
     report = scan(cfg, family)
-    problems = report.problems()
-    if problems:
-        raise DataError(problems[0])
-    if not report.samples:
+    if report.samples:
+        return report
+    dropped = report.dropped()
+    if not dropped:
         raise DataError(f"no images found in {cfg.image_dir} (extensions: {sorted(IMAGE_EXTS)})")
-    return report.samples
+    why = "; ".join(report.problems())
+    raise DataError(f"no usable images in {cfg.image_dir}: all {len(dropped)} file(s) skipped: {why}")
+
+
+def load_samples(cfg: DataConfig, family: Any = None) -> list[Sample]:
+    """The usable samples; unusable files are left out (see `check_dataset` and `scan`)."""
+    return check_dataset(cfg, family).samples
 
 
 # ---------------------------------------------------------------- buckets
@@ -277,6 +396,8 @@ class Placement:
     original: tuple[int, int]
     frames: tuple[int, ...] = ()
     """The clip's frames taken, in order; empty for an image."""
+    flip: bool = False
+    """Mirrored left to right after the crop."""
 
     @property
     def num_frames(self) -> int:
@@ -284,10 +405,12 @@ class Placement:
         return len(self.frames) or 1
 
     def record(self) -> dict[str, Any]:
-        """As plain data; an image's record has no `frames`, so its cache key is what it always was."""
+        """As plain data; fields at their defaults are left out, so older cache keys still match."""
         d = asdict(self)
         if not self.frames:
             del d["frames"]
+        if not self.flip:
+            del d["flip"]
         return d
 
 
@@ -298,8 +421,12 @@ def place(
     seed: int,
     frame_stride: int = 1,
     frame_start: str = "first",
+    flip: bool = False,
 ) -> Placement:
-    """Resize to cover the bucket, then crop at the centre or a seeded offset; pick a clip's frames."""
+    """Resize to cover the bucket, then crop at the centre or a seeded offset; pick a clip's frames.
+
+    With `flip`, a seeded coin per sample decides whether it is mirrored.
+    """
     bw, bh = bucket
     scale = max(bw / sample.width, bh / sample.height)
     rw, rh = max(bw, math.ceil(sample.width * scale)), max(bh, math.ceil(sample.height * scale))
@@ -314,19 +441,38 @@ def place(
         frames = video.select_frames(
             sample.total_frames, sample.frames, frame_stride, frame_start, key
         )
-    return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height), frames)
+    mirrored = flip and random.Random(f"{seed}-{sample.image.as_posix()}-flip").random() < 0.5
+    return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height), frames, mirrored)
 
 
-def load_pixels(path: Path, placement: Placement) -> torch.Tensor:
-    """The image fitted to its bucket, (3, H, W) in [-1, 1]; a clip's frames, (3, F, H, W)."""
+def upscale_needed(sample: Sample, bucket: tuple[int, int]) -> float:
+    """How much the sample must be enlarged to cover the bucket (below 1: it is shrunk)."""
+    return max(bucket[0] / sample.width, bucket[1] / sample.height)
+
+
+def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torch.Tensor:
+    """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so."""
+    pixels = load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+    return pixels.flip(-1) if placement.flip else pixels
+
+
+def load_pixels(
+    path: Path,
+    placement: Placement,
+    background: str = "white",
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> torch.Tensor:
+    """The image fitted to its bucket, (3, H, W) in [-1, 1]; a clip's frames, (3, F, H, W).
+
+    An image that cannot be decoded raises `BadImage`; `background` fills transparent parts.
+    """
     if placement.frames:
         frames = video.read_frames(path, placement.frames)
         return torch.stack([_fit(f, placement) for f in frames], dim=1)
     try:
-        with Image.open(path) as im:
-            im = ImageOps.exif_transpose(im).convert("RGB")
-    except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"unreadable image {path}: {e}") from None
+        im = open_rgb(path, background, max_pixels)
+    except BadImage as e:
+        raise BadImage(f"unreadable image {path}: {e}") from None
     return _fit(im, placement)
 
 
@@ -340,65 +486,174 @@ def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()
 
 
+GroupKey = tuple[int, int, int]
+"""(width, height, frames): the samples a batch may be drawn from together."""
+
+
 @dataclass
 class BucketPlan:
-    """Every sample's bucket and crop."""
+    """Every kept sample's bucket and crop, what was dropped and why, and what repeats."""
 
     buckets: list[tuple[int, int]]
     placements: list[Placement]
+    samples: list[Sample] = field(default_factory=list)
+    """The samples kept, in the order of `placements`."""
+    dropped: list[tuple[Path, str]] = field(default_factory=list)
+    """(file, reason) of each sample left out of training."""
+    repeats: dict[GroupKey, int] = field(default_factory=dict)
+    """Group → how many times each of its samples appears per epoch (absent: once)."""
+    group_size: int = 1
+    """Samples in one effective batch (batch × accumulation × processes)."""
 
     def counts(self) -> dict[tuple[int, int], int]:
         """Images (and clips) per bucket."""
         return dict(Counter(p.bucket for p in self.placements))
 
-    def frame_counts(self) -> dict[tuple[int, int, int], int]:
+    def frame_counts(self) -> dict[GroupKey, int]:
         """Samples per (width, height, frames): the groups batches are drawn from."""
-        return dict(Counter((*p.bucket, p.num_frames) for p in self.placements))
+        return dict(Counter(_group(p) for p in self.placements))
+
+    def groups(self) -> dict[GroupKey, list[int]]:
+        """Sample indices per group, in sample order."""
+        out: dict[GroupKey, list[int]] = defaultdict(list)
+        for i, p in enumerate(self.placements):
+            out[_group(p)].append(i)
+        return dict(out)
 
 
-def plan_buckets(samples: list[Sample], cfg: DataConfig, step: int, seed: int) -> BucketPlan:
-    """Assign each sample a bucket and crop (and a clip its frames)."""
+def _group(p: Placement) -> GroupKey:
+    return (*p.bucket, p.num_frames)
+
+
+def group_name(key: GroupKey) -> str:
+    """`512x768`, or `512x768x17f` for clips."""
+    w, h, f = key
+    return f"{w}x{h}" + (f"x{f}f" if f > 1 else "")
+
+
+def bucket_list(cfg: DataConfig, step: int) -> list[tuple[int, int]]:
+    """The configured buckets (`buckets`, checked against the step), else generated ones."""
+    if not cfg.buckets:
+        return make_buckets(cfg.resolution, cfg.resolution_type, step, cfg.max_aspect_ratio)
+    for w, h in cfg.buckets:
+        if w % step or h % step:
+            raise ConfigError(
+                f"buckets: [{w}, {h}] is not a multiple of the bucket step {step} "
+                "(bucket_step, or the model family's alignment)"
+            )
+    return sorted({(w, h) for w, h in cfg.buckets}, key=lambda wh: (wh[0] / wh[1], wh[0]))
+
+
+def plan_buckets(
+    samples: list[Sample], cfg: DataConfig, step: int, seed: int, group_size: int = 1
+) -> BucketPlan:
+    """Assign each sample a bucket and crop (and a clip its frames); drop what cannot train.
+
+    `group_size` is one effective batch: buckets with fewer samples follow `small_bucket_policy`.
+    """
     step = cfg.bucket_step or step
-    buckets = make_buckets(cfg.resolution, cfg.resolution_type, step, cfg.max_aspect_ratio)
-    placements = [
-        place(
-            s,
-            assign_bucket(s.width, s.height, buckets),
-            cfg.center_crop,
-            seed,
-            cfg.frame_stride,
-            cfg.frame_start,
+    buckets = bucket_list(cfg, step)
+
+    def fit(s: Sample, bucket: tuple[int, int]) -> Placement:
+        return place(
+            s, bucket, cfg.center_crop, seed, cfg.frame_stride, cfg.frame_start, cfg.random_flip
         )
-        for s in samples
-    ]
-    return BucketPlan(buckets, placements)
+
+    plan = BucketPlan(buckets, [], group_size=group_size)
+    for s in samples:
+        bucket = assign_bucket(s.width, s.height, buckets)
+        need = upscale_needed(s, bucket)
+        if need > cfg.max_upscale + 1e-9:
+            plan.dropped.append((s.image, _too_small(need, cfg)))
+            continue
+        plan.samples.append(s)
+        plan.placements.append(fit(s, bucket))
+    if group_size > 1:
+        _small_buckets(plan, cfg, fit)
+    return plan
 
 
-def plan_dataset(cfg: Config) -> tuple[list[Sample], BucketPlan]:
-    """Scan the dataset and bucket it with the family's alignment: what training will see."""
+def _too_small(need: float, cfg: DataConfig) -> str:
+    return f"too small: needs {need:.2f}× upscale (max_upscale {cfg.max_upscale:g})"
+
+
+def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any) -> None:
+    """Apply `small_bucket_policy` to groups with fewer samples than one effective batch."""
+    n_eff = plan.group_size
+    groups = plan.groups()
+    small = {k: idx for k, idx in groups.items() if len(idx) < n_eff}
+    if not small:
+        return
+    policy = cfg.small_bucket_policy
+    if policy == "repeat":
+        plan.repeats = {k: math.ceil(n_eff / len(idx)) for k, idx in small.items()}
+        return
+    big = [k for k in groups if k not in small]
+    keep = [True] * len(plan.samples)
+    for key, idx in small.items():
+        why = f"bucket {group_name(key)} has {len(idx)} sample(s), fewer than one effective batch of {n_eff}"
+        targets = [k for k in big if k[2] == key[2]]
+        for i in idx:
+            s = plan.samples[i]
+            if policy == "drop" or not targets:
+                reason = (
+                    f"{why}; small_bucket_policy is drop"
+                    if policy == "drop"
+                    else f"{why}, and no bucket has enough to merge into"
+                )
+                plan.dropped.append((s.image, reason))
+                keep[i] = False
+                continue
+            # The nearest big bucket by aspect ratio (log space), as for assign_bucket.
+            ar = math.log(key[0] / key[1])
+            target = min(targets, key=lambda k: (abs(math.log(k[0] / k[1]) - ar), -k[0] * k[1]))
+            need = upscale_needed(s, target[:2])
+            if need > cfg.max_upscale + 1e-9:
+                plan.dropped.append((s.image, _too_small(need, cfg)))
+                keep[i] = False
+                continue
+            plan.placements[i] = fit(s, target[:2])
+    plan.samples = [s for s, k in zip(plan.samples, keep, strict=True) if k]
+    plan.placements = [p for p, k in zip(plan.placements, keep, strict=True) if k]
+
+
+def plan_dataset(cfg: Config, num_processes: int = 1) -> tuple[list[Sample], BucketPlan]:
+    """Scan the dataset and bucket it with the family's alignment: what training will see.
+
+    The samples returned are the kept ones; `plan.dropped` says what was left out and why.
+    """
     from kit.families import get_family
 
     family = get_family(cfg.model.model_family, cfg)
     samples = load_samples(cfg.data, family)
-    return samples, plan_buckets(samples, cfg.data, family.bucket_step, cfg.train.seed)
+    t = cfg.train
+    group = t.train_batch_size * t.gradient_accumulation_steps * num_processes
+    plan = plan_buckets(samples, cfg.data, family.bucket_step, t.seed, group)
+    if not plan.samples:
+        first = plan.dropped[0] if plan.dropped else None
+        why = f" (e.g. {first[0]}: {first[1]})" if first else ""
+        raise DataError(f"every image in {cfg.data.image_dir} was dropped{why}")
+    return plan.samples, plan
 
 
-def epoch_batches(plan: BucketPlan, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """The batches of one epoch: shuffled within buckets, then in order; never mixing buckets.
+def epoch_batches(
+    plan: BucketPlan, batch_size: int, seed: int, epoch: int, world: int = 1
+) -> list[list[int]]:
+    """The batches of one epoch, as the trainer runs them: one source of truth for counts.
 
-    A bucket here is (width, height) and frame count, so a batch of clips stacks.
+    Shuffled within groups (a bucket and frame count, so a batch of clips stacks), small groups
+    repeated as planned, batches shuffled; never mixing groups. Process r of `world` takes
+    batches r, r + world, ...; a tail that cannot go to every process is left out (it waits for
+    the next epoch's shuffle), so all processes step together.
     """
     rng = random.Random(f"{seed}-epoch-{epoch}")
-    by_bucket: dict[tuple[tuple[int, int], int], list[int]] = defaultdict(list)
-    for i, p in enumerate(plan.placements):
-        by_bucket[(p.bucket, p.num_frames)].append(i)
     batches = []
-    for bucket in sorted(by_bucket):
-        idx = by_bucket[bucket]
+    for key, idx in sorted(plan.groups().items()):
+        idx = idx * plan.repeats.get(key, 1)
         rng.shuffle(idx)
         batches += [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
     rng.shuffle(batches)
-    return batches
+    return batches[: len(batches) - len(batches) % world]
 
 
 # ---------------------------------------------------------------- caches
@@ -437,21 +692,67 @@ class CachedDataset:
     plan: BucketPlan
     latent_files: list[Path]
     text_files: list[Path]
+    """Per sample, the embedding of its first caption variant (the caption itself, unaugmented)."""
     digests: list[str]
     stats: dict[str, int] = field(default_factory=dict)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Images dropped while encoding (their pixels failed to decode), with why."""
+    variant_texts: list[list[str]] = field(default_factory=list)
+    """Per sample, the caption variants trained on (one unless augmented `caption_variants`)."""
+    variant_files: list[list[Path]] = field(default_factory=list)
+    """Per sample, the embedding file of each caption variant."""
+    empty_text_file: Path | None = None
+    """The empty caption's embedding (used by caption dropout), when wanted."""
 
-    def load_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Stack the cached tensors of these samples, with each one's size and crop (h, w order)."""
+    @property
+    def variants(self) -> int:
+        """Caption variants per sample (the trainer draws one per sample and step)."""
+        return len(self.variant_files[0]) if self.variant_files else 1
+
+    def text_entries(self) -> list[Path]:
+        """Every distinct text-embedding file the dataset uses."""
+        files = {f for fs in self.variant_files for f in fs} | set(self.text_files)
+        if self.empty_text_file is not None:
+            files.add(self.empty_text_file)
+        return sorted(files)
+
+    def missing(self) -> dict[str, int]:
+        """Cache entries not yet written: latents and (distinct) text embeddings."""
+        return {
+            "latents": sum(not f.is_file() for f in self.latent_files),
+            "text": sum(not f.is_file() for f in self.text_entries()),
+        }
+
+    def load_batch(
+        self, indices: list[int], variants: list[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Stack the cached tensors of these samples, with each one's size and crop (h, w order).
+
+        `variants` picks each sample's caption variant (default: the first).
+        """
         out: dict[str, list[torch.Tensor]] = defaultdict(list)
-        for i in indices:
+        for j, i in enumerate(indices):
             out["latents"].append(load_file(self.latent_files[i])["latents"])
-            for k, v in load_file(self.text_files[i]).items():
+            text = self.variant_files[i][variants[j]] if variants else self.text_files[i]
+            for k, v in load_file(text).items():
                 out[k].append(v)
             p = self.plan.placements[i]
             out["original_size"].append(torch.tensor([p.original[1], p.original[0]]))
             out["crop_top_left"].append(torch.tensor(list(p.crop)))
             out["target_size"].append(torch.tensor([p.bucket[1], p.bucket[0]]))
         return {k: torch.stack(v) for k, v in out.items()}
+
+    def draw_variants(self, n: int, generator: torch.Generator) -> list[int] | None:
+        """One caption variant per sample, from the batch's generator; None (no draw) for one."""
+        if self.variants <= 1:
+            return None  # no draw: the random stream stays as without variants
+        return torch.randint(self.variants, (n,), generator=generator).tolist()
+
+    def empty_text(self) -> dict[str, torch.Tensor]:
+        """The empty caption's cached embedding (caption dropout)."""
+        if self.empty_text_file is None:
+            raise DataError("the empty caption was not cached (build the cache with empty=True)")
+        return load_file(self.empty_text_file)
 
     def manifest(self) -> list[dict[str, Any]]:
         """Per-sample record of what was trained on (file, hash, caption, bucket, crop)."""
@@ -460,47 +761,151 @@ class CachedDataset:
                 "image": str(s.image),
                 "sha256": d,
                 "caption": s.caption,
-                **{k: list(v) for k, v in p.record().items()},
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in p.record().items()},
             }
             for s, p, d in zip(self.samples, self.plan.placements, self.digests, strict=True)
         ]
 
 
-def build_cache(
-    cfg: Config, family: Any, comps: Any, device: torch.device | str = "cpu"
+def plan_cache(
+    cfg: Config,
+    identity: dict[str, str],
+    dtype: torch.dtype,
+    *,
+    num_processes: int = 1,
+    empty: bool = False,
 ) -> CachedDataset:
-    """Scan, bucket and encode the dataset, reusing cache entries made by earlier runs."""
-    samples, plan = plan_dataset(cfg)
+    """The dataset and the cache file of every entry it needs, without encoding anything.
+
+    Latents are keyed by the image's bytes, its placement (bucket, crop, flip, frames), the VAE's
+    identity and the dtype; text embeddings by the text, the encoders' and tokenizers' identity
+    and the dtype. A changed image or caption therefore misses exactly its own entries.
+    """
+    from kit.augment import augmentation_enabled, caption_variants
+
+    samples, plan = plan_dataset(cfg, num_processes)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
-    latent_dir = root / "latents" / comps.identity["vae"]
-    text_dir = root / "text" / comps.identity["text"]
+    latent_dir = root / "latents" / identity["vae"]
+    text_dir = root / "text" / identity["text"]
     digests = [file_digest(s.image) for s in samples]
     latent_files = [
-        latent_dir / f"{_key(d, p.record())}.safetensors"
+        latent_dir / f"{_key(d, p.record(), str(dtype))}.safetensors"
         for d, p in zip(digests, plan.placements, strict=True)
     ]
-    text_files = [text_dir / f"{_key(s.caption)}.safetensors" for s in samples]
-    stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
+    augment = augmentation_enabled(cfg.data)
+    texts = [
+        caption_variants(s.caption, cfg.data, cfg.train.seed) if augment else [s.caption]
+        for s in samples
+    ]
 
-    for s, p, f in zip(samples, plan.placements, latent_files, strict=True):
-        if f.is_file():
-            stats["latents_reused"] += 1
+    def text_file(text: str) -> Path:
+        return text_dir / f"{_key(text, str(dtype))}.safetensors"
+
+    variant_files = [[text_file(t) for t in ts] for ts in texts]
+    return CachedDataset(
+        samples,
+        plan,
+        latent_files,
+        [text_file(s.caption) for s in samples],
+        digests,
+        variant_texts=texts,
+        variant_files=variant_files,
+        empty_text_file=text_file("") if empty else None,
+    )
+
+
+def fill_cache(
+    data: CachedDataset,
+    cfg: Config,
+    family: Any,
+    comps: Any,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> CachedDataset:
+    """Encode the entries not yet cached, one at a time, each written atomically.
+
+    Interrupted, it resumes where it stopped: entries already written are reused. Memory stays
+    bounded (one image, or 16 captions, at a time). `progress` None shows a bar on a terminal.
+    """
+    import sys
+
+    from tqdm.auto import tqdm
+
+    show = sys.stderr.isatty() if progress is None else progress
+    stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
+    todo = [i for i, f in enumerate(data.latent_files) if not f.is_file()]
+    stats["latents_reused"] = len(data.latent_files) - len(todo)
+    bad: dict[int, str] = {}
+    for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
+        s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
+        try:
+            pixels = sample_pixels(s, p, cfg.data)
+        except BadImage as e:  # a file whose header read fine but whose pixels do not
+            bad[i] = str(e)
             continue
-        pixels = load_pixels(s.image, p)
         if family.video and pixels.ndim == 3:
             pixels = pixels.unsqueeze(1)  # a still image is a one-frame clip to a video model
         pixels = pixels.unsqueeze(0).to(device)
         lat = family.encode_images(comps, pixels)[0].float().cpu().contiguous()
         write_with(f, lambda tmp, lat=lat: save_file({"latents": lat}, str(tmp)))
         stats["latents_encoded"] += 1
-    todo = sorted({s.caption for s, f in zip(samples, text_files, strict=True) if not f.is_file()})
-    stats["text_reused"] = len({s.caption for s in samples}) - len(todo)
-    for start in range(0, len(todo), 16):
-        chunk = todo[start : start + 16]
-        enc = family.encode_text(comps, chunk)
-        for j, caption in enumerate(chunk):
+    if bad:
+        _drop_undecodable(data, bad)
+    wanted: dict[Path, str] = {}
+    for ts, fs in zip(data.variant_texts, data.variant_files, strict=True):
+        wanted.update(zip(fs, ts, strict=True))
+    if data.empty_text_file is not None:
+        wanted[data.empty_text_file] = ""
+    missing = [(f, t) for f, t in sorted(wanted.items()) if not f.is_file()]
+    stats["text_reused"] = len(wanted) - len(missing)
+    bar = tqdm(
+        total=len(missing), desc="cache text", unit="caption", disable=not show or not missing
+    )
+    for start in range(0, len(missing), 16):
+        chunk = missing[start : start + 16]
+        with torch.no_grad():
+            enc = family.encode_text(comps, [t for _, t in chunk])
+        for j, (path, _) in enumerate(chunk):
             tensors = {k: v[j].float().cpu().contiguous() for k, v in enc.items()}
-            path = text_dir / f"{_key(caption)}.safetensors"
             write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
             stats["text_encoded"] += 1
-    return CachedDataset(samples, plan, latent_files, text_files, digests, stats)
+        bar.update(len(chunk))
+    bar.close()
+    data.stats = stats
+    return data
+
+
+def _drop_undecodable(data: CachedDataset, bad: dict[int, str]) -> None:
+    """Leave out samples whose pixels failed to decode, recording why."""
+    data.skipped = [(data.samples[i].image, why) for i, why in bad.items()]
+    keep = [i for i in range(len(data.samples)) if i not in bad]
+    if not keep:
+        raise DataError(f"no usable images: every image failed to decode ({data.skipped[0][1]})")
+    names = ("samples", "digests", "latent_files", "text_files", "variant_texts", "variant_files")
+    for name in names:
+        setattr(data, name, [getattr(data, name)[i] for i in keep])
+    plan = data.plan
+    plan.dropped = plan.dropped + data.skipped
+    plan.samples = data.samples
+    plan.placements = [plan.placements[i] for i in keep]
+
+
+def build_cache(
+    cfg: Config,
+    family: Any,
+    comps: Any,
+    device: torch.device | str = "cpu",
+    *,
+    num_processes: int = 1,
+    empty: bool = False,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+) -> CachedDataset:
+    """Scan, bucket and encode the dataset, reusing cache entries made by earlier runs.
+
+    `dtype` is the encoders' (default: the VAE's); `empty` also caches the empty caption.
+    """
+    if dtype is None:
+        dtype = comps.vae.dtype if comps.vae is not None else torch.float32
+    data = plan_cache(cfg, comps.identity, dtype, num_processes=num_processes, empty=empty)
+    return fill_cache(data, cfg, family, comps, device, progress)

@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 class Components:
     """The loaded parts of a base model."""
 
-    denoiser: nn.Module
-    vae: nn.Module
+    denoiser: nn.Module | None
+    vae: nn.Module | None
+    """None when loaded without it (training from a full cache needs no VAE)."""
     text_encoders: list[nn.Module]
+    """Empty when loaded without them (tokenizers are always there)."""
     tokenizers: list[Any]
     noise_scheduler: Any
     source: str
@@ -38,8 +40,38 @@ class Components:
     """Part name → a fingerprint of its weights, used to key caches."""
 
     def frozen_modules(self) -> list[nn.Module]:
-        """Every module of the base model."""
-        return [self.denoiser, self.vae, *self.text_encoders]
+        """Every loaded module of the base model."""
+        return [m for m in (self.denoiser, self.vae, *self.text_encoders) if m is not None]
+
+    def missing_parts(self) -> tuple[str, ...]:
+        """The parts (of `PARTS`) that were not loaded."""
+        have = {
+            "denoiser": self.denoiser is not None,
+            "vae": self.vae is not None,
+            "text_encoders": bool(self.text_encoders),
+        }
+        return tuple(p for p in PARTS if not have[p])
+
+    def take_parts(self, other: Components) -> None:
+        """Fill the parts this lacks from `other` (a later, partial load of the same model)."""
+        if self.vae is None:
+            self.vae = other.vae
+        if not self.text_encoders:
+            self.text_encoders = other.text_encoders
+        if self.denoiser is None:
+            self.denoiser = other.denoiser
+
+
+PARTS = ("denoiser", "vae", "text_encoders")
+"""The loadable parts of a base model; the scheduler and tokenizers always load."""
+
+
+def frozen(*modules: nn.Module | None) -> None:
+    """Freeze and switch to eval mode every given (loaded) module."""
+    for m in modules:
+        if m is not None:
+            m.requires_grad_(False)
+            m.eval()
 
 
 @dataclass
@@ -93,6 +125,9 @@ class Family(ABC):
 
     # ------------------------------------------------------------ loading
 
+    text_subfolders: tuple[str, ...] = ("text_encoder",)
+    """Subfolders of the text encoders whose embeddings are cached."""
+
     @abstractmethod
     def load(
         self,
@@ -101,8 +136,34 @@ class Family(ABC):
         revision: str | None = None,
         variant: str | None = None,
         dtype: torch.dtype = torch.float32,
+        parts: tuple[str, ...] = PARTS,
     ) -> Components:
-        """Load the base model's parts with diffusers / transformers `from_pretrained`."""
+        """Load the base model's parts with diffusers / transformers `from_pretrained`.
+
+        Only the `parts` named (of `PARTS`) are loaded; the others are None (or no encoders).
+        """
+
+    def identity(self, pretrained: str, revision: str | None = None) -> dict[str, str]:
+        """Fingerprints that key the caches, read from configs without loading any weights.
+
+        `vae`: the VAE; `text`: the text encoders, their tokenizers and what else shapes the
+        cached embeddings (`identity_extras`).
+        """
+        text = [
+            weights_identity(pretrained, sub, part_config(pretrained, sub, revision), revision)
+            for sub in self.text_subfolders
+        ]
+        extras = self.identity_extras(pretrained, revision)
+        return {
+            "vae": weights_identity(
+                pretrained, "vae", part_config(pretrained, "vae", revision), revision
+            ),
+            "text": fingerprint([text, tokenizer_identity(pretrained, revision), extras]),
+        }
+
+    def identity_extras(self, pretrained: str, revision: str | None) -> Any:
+        """Settings besides the encoders that change cached text embeddings (e.g. a T5 length)."""
+        return None
 
     @abstractmethod
     def load_tokenizers(self, pretrained: str) -> dict[str, Any]:
@@ -263,6 +324,28 @@ def fingerprint(obj: Any) -> str:
     """A short stable hash of JSON-able data."""
     blob = json.dumps(obj, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def part_config(source: str, subfolder: str, revision: str | None = None) -> dict[str, Any]:
+    """A part's saved `config.json` (a local folder's, or downloaded alone from the hub)."""
+    path = Path(source) / subfolder / "config.json"
+    if not Path(source).is_dir():
+        from huggingface_hub import hf_hub_download
+
+        path = Path(hf_hub_download(source, "config.json", subfolder=subfolder, revision=revision))
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def tokenizer_identity(source: str, revision: str | None = None) -> str:
+    """Fingerprint the tokenizers: for a local folder their files' names, sizes and contents."""
+    files: list[Any] = []
+    root = Path(source)
+    if root.is_dir():
+        for folder in sorted(root.glob("tokenizer*")):
+            for f in sorted(folder.iterdir()):
+                if f.is_file():
+                    files.append((folder.name, f.name, hashlib.sha256(f.read_bytes()).hexdigest()))
+    return fingerprint({"source": source, "rev": revision, "files": files})
 
 
 def weights_identity(source: str, subfolder: str, config: dict, revision: str | None) -> str:

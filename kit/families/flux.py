@@ -17,12 +17,12 @@ import torch
 from kit.errors import ConfigError
 from kit.families import register
 from kit.families.base import (
+    PARTS,
     Components,
     Family,
     NoiseDraw,
-    fingerprint,
     flow_noise_and_target,
-    weights_identity,
+    frozen,
 )
 
 if TYPE_CHECKING:
@@ -85,44 +85,45 @@ class Flux(Family):
 
     # ------------------------------------------------------------ loading
 
-    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+    text_subfolders = ("text_encoder", "text_encoder_2")
+
+    def identity_extras(self, pretrained, revision):
+        # The T5 length changes the cached embeddings, so it is part of their key.
+        return self.max_sequence_length()
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
 
         kw: dict[str, Any] = {"revision": revision}
         wkw = {**kw, "variant": variant, "torch_dtype": dtype}
         tokenizers = self._tokenizers(pretrained, revision)
-        clip = CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw)
-        t5 = T5EncoderModel.from_pretrained(pretrained, subfolder="text_encoder_2", **wkw)
-        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        transformer = FluxTransformer2DModel.from_pretrained(
-            pretrained, subfolder="transformer", **wkw
-        )
+        encoders, vae, transformer = [], None, None
+        if "text_encoders" in parts:
+            encoders = [
+                CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw),
+                T5EncoderModel.from_pretrained(pretrained, subfolder="text_encoder_2", **wkw),
+            ]
+        if "vae" in parts:
+            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        if "denoiser" in parts:
+            transformer = FluxTransformer2DModel.from_pretrained(
+                pretrained, subfolder="transformer", **wkw
+            )
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
             pretrained, subfolder="scheduler", **kw
         )
-        for m in (clip, t5, vae, transformer):
-            m.requires_grad_(False)
-            m.eval()
-        identity = {
-            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
-            # The T5 length changes the cached embeddings, so it is part of their key.
-            "text": fingerprint(
-                [
-                    weights_identity(pretrained, "text_encoder", clip.config.to_dict(), revision),
-                    weights_identity(pretrained, "text_encoder_2", t5.config.to_dict(), revision),
-                    self.max_sequence_length(),
-                ]
-            ),
-        }
+        frozen(*encoders, vae, transformer)
         return Components(
             transformer,
             vae,
-            [clip, t5],
+            encoders,
             list(tokenizers.values()),
             scheduler,
             pretrained,
-            identity,
+            self.identity(pretrained, revision),
         )
 
     def load_tokenizers(self, pretrained):

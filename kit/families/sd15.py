@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import Components, Family, saved_scheduler, weights_identity
+from kit.families.base import PARTS, Components, Family, frozen, saved_scheduler
 
 
 @register
@@ -23,27 +23,35 @@ class SD15(Family):
     pipeline_class = "StableDiffusionPipeline"
     pipeline_kwargs = {"safety_checker": None, "requires_safety_checker": False}
 
-    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
         kw: dict[str, Any] = {"revision": revision}
         wkw = {**kw, "variant": variant, "torch_dtype": dtype}
         tokenizer = CLIPTokenizer.from_pretrained(pretrained, subfolder="tokenizer", **kw)
-        text_encoder = CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw)
-        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
+        text_encoder = vae = unet = None
+        if "text_encoders" in parts:
+            text_encoder = CLIPTextModel.from_pretrained(
+                pretrained, subfolder="text_encoder", **wkw
+            )
+        if "vae" in parts:
+            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        if "denoiser" in parts:
+            unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
         scheduler = DDPMScheduler.from_pretrained(pretrained, subfolder="scheduler", **kw)
-        for m in (text_encoder, vae, unet):
-            m.requires_grad_(False)
-            m.eval()
-        identity = {
-            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
-            "text": weights_identity(
-                pretrained, "text_encoder", text_encoder.config.to_dict(), revision
-            ),
-        }
-        return Components(unet, vae, [text_encoder], [tokenizer], scheduler, pretrained, identity)
+        frozen(text_encoder, vae, unet)
+        return Components(
+            unet,
+            vae,
+            [text_encoder] if text_encoder is not None else [],
+            [tokenizer],
+            scheduler,
+            pretrained,
+            self.identity(pretrained, revision),
+        )
 
     def encode_text(self, comps, captions):
         tok = comps.tokenizers[0]

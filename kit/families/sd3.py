@@ -10,12 +10,13 @@ import torch
 
 from kit.families import register
 from kit.families.base import (
+    PARTS,
     Components,
     Family,
     NoiseDraw,
-    fingerprint,
     flow_noise_and_target,
-    weights_identity,
+    frozen,
+    part_config,
 )
 
 if TYPE_CHECKING:
@@ -64,44 +65,54 @@ class SD3(Family):
 
     # ------------------------------------------------------------ loading
 
-    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+    @property
+    def text_subfolders(self) -> tuple[str, ...]:
+        """The CLIP encoders, and T5 when it is used."""
+        return (*CLIP_ENCODERS, T5_ENCODER) if self.use_t5 else CLIP_ENCODERS
+
+    def identity_extras(self, pretrained, revision):
+        # The cached prompt depends on the T5 length and, without T5, the width of the zeros
+        # standing in for it.
+        width = part_config(pretrained, "transformer", revision).get("joint_attention_dim")
+        return {"max_sequence_length": self.max_sequence_length, "joint_attention_dim": width}
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
         kw: dict[str, Any] = {"revision": revision}
         wkw = {**kw, "variant": variant, "torch_dtype": dtype}
         tokenizers = self._tokenizers(pretrained, revision)
-        encoders = [
-            CLIPTextModelWithProjection.from_pretrained(pretrained, subfolder=name, **wkw)
-            for name in CLIP_ENCODERS
-        ]
-        if self.use_t5:
-            encoders.append(T5EncoderModel.from_pretrained(pretrained, subfolder=T5_ENCODER, **wkw))
-        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        transformer = SD3Transformer2DModel.from_pretrained(
-            pretrained, subfolder="transformer", **wkw
-        )
+        encoders, vae, transformer = [], None, None
+        if "text_encoders" in parts:
+            encoders = [
+                CLIPTextModelWithProjection.from_pretrained(pretrained, subfolder=name, **wkw)
+                for name in CLIP_ENCODERS
+            ]
+            if self.use_t5:
+                encoders.append(
+                    T5EncoderModel.from_pretrained(pretrained, subfolder=T5_ENCODER, **wkw)
+                )
+        if "vae" in parts:
+            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        if "denoiser" in parts:
+            transformer = SD3Transformer2DModel.from_pretrained(
+                pretrained, subfolder="transformer", **wkw
+            )
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
             pretrained, subfolder="scheduler", **kw
         )
-        for m in (*encoders, vae, transformer):
-            m.requires_grad_(False)
-            m.eval()
-        # The cached prompt depends on every encoder, the T5 length and, without T5, the width
-        # of the zeros standing in for it.
-        names = [*CLIP_ENCODERS, T5_ENCODER][: len(encoders)]
-        text = {
-            name: weights_identity(pretrained, name, enc.config.to_dict(), revision)
-            for name, enc in zip(names, encoders, strict=True)
-        }
-        text["max_sequence_length"] = str(self.max_sequence_length)
-        text["joint_attention_dim"] = str(transformer.config.joint_attention_dim)
-        identity = {
-            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
-            "text": fingerprint(text),
-        }
+        frozen(*encoders, vae, transformer)
         return Components(
-            transformer, vae, encoders, list(tokenizers.values()), scheduler, pretrained, identity
+            transformer,
+            vae,
+            encoders,
+            list(tokenizers.values()),
+            scheduler,
+            pretrained,
+            self.identity(pretrained, revision),
         )
 
     def load_tokenizers(self, pretrained):

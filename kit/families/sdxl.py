@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import Components, Family, fingerprint, saved_scheduler, weights_identity
+from kit.families.base import PARTS, Components, Family, frozen, saved_scheduler
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
@@ -29,33 +29,34 @@ class SDXL(Family):
     # kit's images and a plain diffusers redraw agree on any machine.
     pipeline_kwargs = {"add_watermarker": False}
 
-    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+    text_subfolders = ("text_encoder", "text_encoder_2")
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
         kw: dict[str, Any] = {"revision": revision}
         wkw = {**kw, "variant": variant, "torch_dtype": dtype}
         tokenizers = list(self._tokenizers(pretrained, revision).values())
-        te1 = CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw)
-        te2 = CLIPTextModelWithProjection.from_pretrained(
-            pretrained, subfolder="text_encoder_2", **wkw
-        )
-        vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
+        encoders, vae, unet = [], None, None
+        if "text_encoders" in parts:
+            encoders = [
+                CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw),
+                CLIPTextModelWithProjection.from_pretrained(
+                    pretrained, subfolder="text_encoder_2", **wkw
+                ),
+            ]
+        if "vae" in parts:
+            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
+        if "denoiser" in parts:
+            unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
         # Training noise comes from a DDPM schedule built from the sampler's config.
         scheduler = DDPMScheduler.from_pretrained(pretrained, subfolder="scheduler", **kw)
-        for m in (te1, te2, vae, unet):
-            m.requires_grad_(False)
-            m.eval()
-        text = [
-            weights_identity(pretrained, sub, te.config.to_dict(), revision)
-            for sub, te in (("text_encoder", te1), ("text_encoder_2", te2))
-        ]
-        identity = {
-            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
-            "text": fingerprint(text),
-        }
-        return Components(unet, vae, [te1, te2], tokenizers, scheduler, pretrained, identity)
+        frozen(*encoders, vae, unet)
+        identity = self.identity(pretrained, revision)
+        return Components(unet, vae, encoders, tokenizers, scheduler, pretrained, identity)
 
     def load_tokenizers(self, pretrained):
         return self._tokenizers(pretrained)

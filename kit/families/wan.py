@@ -15,13 +15,13 @@ import torch
 
 from kit.families import register
 from kit.families.base import (
+    PARTS,
     Components,
     Family,
     NoiseDraw,
-    fingerprint,
     flow_noise_and_target,
+    frozen,
     saved_scheduler,
-    weights_identity,
 )
 
 TEMPORAL_FACTOR = 4
@@ -54,37 +54,39 @@ class Wan(Family):
 
     # ------------------------------------------------------------ loading
 
-    def load(self, pretrained, *, revision=None, variant=None, dtype=torch.float32) -> Components:
+    def identity_extras(self, pretrained, revision):
+        # Cached embeddings are padded to the sequence length, so it is part of their key.
+        return self.max_sequence_length
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
         kw: dict[str, Any] = {"revision": revision}
         tokenizer = self._tokenizer(pretrained, revision)
-        text_encoder = UMT5EncoderModel.from_pretrained(
-            pretrained, subfolder="text_encoder", variant=variant, dtype=dtype, **kw
-        )
+        text_encoder = vae = transformer = None
+        if "text_encoders" in parts:
+            text_encoder = UMT5EncoderModel.from_pretrained(
+                pretrained, subfolder="text_encoder", variant=variant, dtype=dtype, **kw
+            )
         wkw = {**kw, "variant": variant, "torch_dtype": dtype}
-        vae = AutoencoderKLWan.from_pretrained(pretrained, subfolder="vae", **wkw)
-        transformer = WanTransformer3DModel.from_pretrained(
-            pretrained, subfolder="transformer", **wkw
-        )
-        for m in (text_encoder, vae, transformer):
-            m.requires_grad_(False)
-            m.eval()
-        text = weights_identity(pretrained, "text_encoder", text_encoder.config.to_dict(), revision)
-        identity = {
-            "vae": weights_identity(pretrained, "vae", dict(vae.config), revision),
-            # Cached embeddings are padded to the sequence length, so it is part of their key.
-            "text": fingerprint([text, self.max_sequence_length]),
-        }
+        if "vae" in parts:
+            vae = AutoencoderKLWan.from_pretrained(pretrained, subfolder="vae", **wkw)
+        if "denoiser" in parts:
+            transformer = WanTransformer3DModel.from_pretrained(
+                pretrained, subfolder="transformer", **wkw
+            )
+        frozen(text_encoder, vae, transformer)
         return Components(
             transformer,
             vae,
-            [text_encoder],
+            [text_encoder] if text_encoder is not None else [],
             [tokenizer],
             self._training_scheduler(pretrained, revision),
             pretrained,
-            identity,
+            self.identity(pretrained, revision),
         )
 
     def load_tokenizers(self, pretrained):

@@ -1,0 +1,98 @@
+"""Data pipeline speed, as ratios measured in one run.
+
+1. scanning a folder of images: `kit.data.scan` (sizes from headers, captions, checks) vs. two
+   baselines, in images/s: PIL reading bare headers (the floor) and opening and fully decoding
+   every image (what a scanner that loads pixels costs);
+2. training from the cache vs. encoding images and captions every step (from bench_train).
+
+Usage: python benchmarks/bench_data.py [--images N] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from kit.config import DataConfig
+from kit.data import scan
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import measure  # noqa: E402
+
+
+def make_images(folder: Path, n: int) -> None:
+    """`n` small images (PNG and JPEG, a few shapes) with one caption file each."""
+    shapes = [(256, 256), (320, 192), (192, 320), (384, 256)]
+    tiles = {s: Image.new("RGB", s, (40 + 20 * i, 90, 160)) for i, s in enumerate(shapes)}
+    for i in range(n):
+        ext = ".png" if i % 2 else ".jpg"
+        tiles[shapes[i % len(shapes)]].save(folder / f"img_{i:05d}{ext}")
+        (folder / f"img_{i:05d}.txt").write_text(f"image {i}, a test pattern")
+
+
+def decode_all(folder: Path) -> int:
+    """The baseline: open and fully decode every image, as a naive scanner would."""
+    n = 0
+    for p in sorted(folder.iterdir()):
+        if p.suffix in (".png", ".jpg"):
+            with Image.open(p) as im:
+                im.load()
+            n += 1
+    return n
+
+
+def headers_only(folder: Path) -> int:
+    """The floor: PIL reads each image's header and nothing else."""
+    n = 0
+    for p in sorted(folder.iterdir()):
+        if p.suffix in (".png", ".jpg"):
+            with Image.open(p) as im:
+                im.size  # noqa: B018
+            n += 1
+    return n
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=10_000)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip-cache", action="store_true", help="only the scan benchmark")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        make_images(folder, args.images)
+        decode_all(folder)  # warm the file cache, so both sides read from memory
+        report, scan_s = timed(lambda: scan(DataConfig(image_dir=str(folder))))
+        assert len(report.samples) == args.images, report.problems()
+        _, decode_s = timed(lambda: decode_all(folder))
+        _, header_s = timed(lambda: headers_only(folder))
+    result: dict[str, float] = {
+        "images": args.images,
+        "scan_images_per_s": round(args.images / scan_s),
+        "decode_images_per_s": round(args.images / decode_s),
+        "header_images_per_s": round(args.images / header_s),
+        "scan_speedup_vs_decoding": round(decode_s / scan_s, 2),
+        "scan_speed_vs_bare_headers": round(header_s / scan_s, 2),
+    }
+    if not args.skip_cache:
+        train = measure(args.steps, 128, checkpointing=False)
+        result["cached_steps_per_s"] = train["cached_steps_per_s"]
+        result["encoded_steps_per_s"] = train["encoded_steps_per_s"]
+        result["cache_speedup"] = train["cache_speedup_vs_encoding_each_step"]
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
