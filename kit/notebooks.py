@@ -33,7 +33,9 @@ def run_notebooks(
     import papermill as pm
 
     out = Path(out_dir).resolve()
-    params = {"output_dir": str(out / "run"), **(params or {})}
+    # No front end clicks Start here: notebooks with a `headless` parameter run their work in
+    # the cell itself.
+    params = {"output_dir": str(out / "run"), "headless": True, **(params or {})}
     for key in ("config_path", "output_dir"):
         if key in params and params[key]:
             params[key] = str(Path(params[key]).resolve())

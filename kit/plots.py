@@ -25,7 +25,14 @@ def metrics_figure(rows: list[dict[str, Any]]):
         matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_lr, ax_gn) = plt.subplots(1, 3, figsize=(12, 3.2))
+    fig = plt.figure(figsize=(12, 3.2))
+    draw_metrics(fig, rows)
+    return fig
+
+
+def draw_metrics(fig: Any, rows: list[dict[str, Any]]) -> None:
+    """Draw loss, learning rate and gradient norm onto `fig` (a pyplot-free Figure works too)."""
+    ax_loss, ax_lr, ax_gn = fig.subplots(1, 3)
     steps = [r["step"] for r in rows]
     loss = [r["loss"] for r in rows]
     ax_loss.plot(steps, loss, alpha=0.35, label="loss")
@@ -34,7 +41,9 @@ def metrics_figure(rows: list[dict[str, Any]]):
     for key, style in (("stable_loss", "o-"), ("validation_loss", "s--")):
         marked = [(r["step"], r[key]) for r in rows if key in r]
         if marked:
-            ax_loss.plot(*zip(*marked, strict=True), style, markersize=3, label=key.replace("_", " "))
+            ax_loss.plot(
+                *zip(*marked, strict=True), style, markersize=3, label=key.replace("_", " ")
+            )
     ax_loss.set_title("loss")
     ax_loss.legend(loc="upper right")
     ax_lr.plot(steps, [r["lr"] for r in rows])
@@ -46,16 +55,16 @@ def metrics_figure(rows: list[dict[str, Any]]):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
-    return fig
 
 
 def plot_metrics(rows: list[dict[str, Any]], path: str | Path) -> Path | None:
     """Save the metrics figure as a PNG (atomic); None when nothing was logged."""
     if not rows:
         return None
-    import matplotlib.pyplot as plt
+    # A Figure outside pyplot: training may run in a background thread (the notebook panel).
+    from matplotlib.figure import Figure
 
-    fig = metrics_figure(rows)
+    fig = Figure(figsize=(12, 3.2))
+    draw_metrics(fig, rows)
     write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    plt.close(fig)
     return Path(path)

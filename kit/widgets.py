@@ -149,42 +149,108 @@ class LivePlot:
 
 
 def caption_editor(cfg: Config, samples: list[Any]) -> Any:
-    """Thumbnail, caption box, previous / next and save: edits are written atomically."""
-    import ipywidgets as W
+    """Thumbnail, caption box, previous / next, a tag filter and save: edits are written atomically."""
+    return CaptionEditor(cfg, samples).widget
 
-    from kit.captions import save_caption
 
-    state = {"i": 0}
-    image = W.Image(format="png", width=256)
-    text = W.Textarea(layout=W.Layout(width="60%", height="80px"))
-    status = W.Label()
-    prev_b, next_b, save_b = (
-        W.Button(description="◀ previous"),
-        W.Button(description="next ▶"),
-        W.Button(description="save", button_style="primary"),
-    )
+class CaptionEditor:
+    """The widgets of `caption_editor` and what its buttons do (also callable without a browser)."""
 
-    def show() -> None:
-        s = samples[state["i"]]
-        image.value = _png_bytes(s.image)
-        text.value = s.caption
-        status.value = f"{state['i'] + 1}/{len(samples)}  {Path(s.image).name}"
+    def __init__(self, cfg: Config, samples: list[Any]) -> None:
+        import ipywidgets as W
 
-    def move(step: int) -> None:
-        state["i"] = (state["i"] + step) % len(samples)
-        show()
+        self.cfg, self.samples = cfg, samples
+        self.shown = list(range(len(samples)))  # indices that pass the tag filter
+        self.pos = 0
+        self.on_disk = ""  # the caption file's text when shown, to catch edits made meanwhile
+        self.image = W.Image(format="png", width=256)
+        self.text = W.Textarea(layout=W.Layout(width="60%", height="80px"))
+        self.filter = W.Text(placeholder="filter by tag", layout=W.Layout(width="180px"))
+        self.status = W.Label()
+        prev_b = W.Button(description="◀ previous")
+        next_b = W.Button(description="next ▶")
+        save_b = W.Button(description="save", button_style="primary")
+        prev_b.on_click(lambda _: self.move(-1))
+        next_b.on_click(lambda _: self.move(1))
+        save_b.on_click(lambda _: self.save())
+        self.filter.observe(lambda change: self.set_filter(change["new"]), names="value")
+        self.buttons = (prev_b, next_b, save_b)
+        self.widget = W.VBox(
+            [
+                W.HBox([self.image, self.text]),
+                W.HBox([prev_b, next_b, save_b, self.filter]),
+                self.status,
+            ]
+        )
+        self.show()
 
-    def save(_=None) -> None:
-        s = samples[state["i"]]
-        s.caption = text.value.strip()
-        path = save_caption(s.image, s.caption, cfg.data)
-        status.value = f"saved {path.name}"
+    def current(self) -> Any:
+        """The sample on screen, or None when the filter leaves none."""
+        return self.samples[self.shown[self.pos]] if self.shown else None
 
-    prev_b.on_click(lambda _: move(-1))
-    next_b.on_click(lambda _: move(1))
-    save_b.on_click(save)
-    show()
-    return W.VBox([W.HBox([image, text]), W.HBox([prev_b, next_b, save_b, status])])
+    def show(self) -> None:
+        """Put the current sample's thumbnail and caption on screen."""
+        s = self.current()
+        if s is None:
+            self.image.value, self.text.value = b"", ""
+            self.status.value = f"no caption matches '{self.filter.value}'"
+            return
+        self.image.value = _png_bytes(s.image)
+        path = _caption_file(s.image, self.cfg)
+        self.on_disk = _disk_text(path)
+        if path and path.is_file():
+            s.caption = self.on_disk.strip()  # the file wins: a bulk edit may have changed it
+        self.text.value = s.caption
+        self.status.value = f"{self.pos + 1}/{len(self.shown)}  {Path(s.image).name}"
+
+    def move(self, step: int) -> None:
+        """Go `step` samples on (wrapping round), among those the filter shows."""
+        if self.shown:
+            self.pos = (self.pos + step) % len(self.shown)
+        self.show()
+
+    def set_filter(self, tag: str) -> None:
+        """Show only samples whose caption holds `tag` as a whole word; empty shows all."""
+        from kit.captions import has_word
+
+        tag = tag.strip()
+        self.shown = [i for i, s in enumerate(self.samples) if not tag or has_word(s.caption, tag)]
+        self.pos = 0
+        self.show()
+
+    def save(self) -> Path | None:
+        """Write the caption box to the current sample's caption file, unless it changed on disk."""
+        from kit.captions import save_caption
+
+        s = self.current()
+        if s is None:
+            return None
+        path = _caption_file(s.image, self.cfg)
+        if path and _disk_text(path) != self.on_disk:
+            # Saving now would silently undo a bulk edit or another editor's save.
+            self.status.value = (
+                f"not saved: {path.name} changed on disk; move on and back to reload"
+            )
+            return None
+        s.caption = self.text.value.strip()
+        path = save_caption(s.image, s.caption, self.cfg.data)
+        self.on_disk = path.read_text(encoding="utf-8")
+        self.status.value = f"saved {path.name}"
+        return path
+
+
+def _disk_text(path: Path | None) -> str:
+    """A caption file's text now ("" when there is none)."""
+    return path.read_text(encoding="utf-8", errors="replace") if path and path.is_file() else ""
+
+
+def _caption_file(image: str | Path, cfg: Config) -> Path | None:
+    """The caption file of an image, or None when captions do not come from files."""
+    from kit.data import _caption_path
+
+    if cfg.data.caption_strategy != "textfile":
+        return None
+    return _caption_path(Path(image), cfg.data)
 
 
 def _png_bytes(path: str | Path, size: int = 256) -> bytes:
