@@ -55,9 +55,26 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_captions(args: argparse.Namespace) -> int:
-    from kit.captions import caption_report
+    from kit.captions import Edit, caption_report
 
-    rep = caption_report(_config(args))
+    cfg = _config(args)
+    if args.restore:
+        return _restore_captions(cfg, args)
+    edit = Edit(
+        replace=tuple(args.replace) if args.replace else None,
+        regex=args.regex,
+        strip=args.strip,
+        normalize=args.normalize,
+        prepend=args.prepend or "",
+        append=args.append or "",
+    )
+    if not edit.empty():
+        return _edit_captions(cfg, edit, args)
+    if args.apply:
+        raise KitError(
+            "--apply needs an edit: --prepend, --append, --replace, --strip or --normalize"
+        )
+    rep = caption_report(cfg)
     if args.json:
         _print_json(rep)
         return 0
@@ -68,29 +85,66 @@ def cmd_captions(args: argparse.Namespace) -> int:
         "empty_captions",
         "unreadable",
         "duplicate_captions",
+        "duplicate_stems",
     ):
         if rep[key]:
             print(f"{key}: {len(rep[key])} (first: {rep[key][0]})")
     print("most common words:", ", ".join(f"{w} ({n})" for w, n in rep["top_words"][:15]))
+    if rep["tagged_captions"]:
+        print("most common tags:", ", ".join(f"{t} ({n})" for t, n in rep["top_tags"][:15]))
     for word, share in rep["trigger_coverage"].items():
-        print(f"trigger word '{word}' in {share:.0%} of captions")
+        missing = rep["trigger_missing"][word]
+        first = f" (missing in {len(missing)}, first: {missing[0]})" if missing else ""
+        print(f"trigger word '{word}' in {share:.0%} of captions{first}")
+    for line in rep.get("truncation_warnings", []):
+        print(f"truncated: {line}")
+    return 0
+
+
+def _edit_captions(cfg, edit, args: argparse.Namespace) -> int:
+    """Show a bulk edit as a diff; write it (after a backup) only with --apply."""
+    from kit.captions import apply_edit, diff_text, plan_edit
+
+    changes = plan_edit(cfg, edit)
+    backup = apply_edit(cfg, changes) if args.apply and changes else None
+    if args.json:
+        _print_json(
+            {
+                "changes": [{"file": str(c.path), "old": c.old, "new": c.new} for c in changes],
+                "applied": backup is not None,
+                "backup": str(backup) if backup else None,
+            }
+        )
+        return 0
+    sys.stdout.write(diff_text(changes))
+    if not changes:
+        print("no caption file would change")
+    elif backup:
+        print(f"changed {len(changes)} caption file(s); the old ones are backed up in {backup}")
+    else:
+        print(f"{len(changes)} caption file(s) would change (dry run); add --apply to write them")
+    return 0
+
+
+def _restore_captions(cfg, args: argparse.Namespace) -> int:
+    """Put a caption backup back; the captions it replaces are backed up first."""
+    from kit.captions import restore_backup
+
+    before = restore_backup(cfg, args.restore)
+    print(f"restored captions from {args.restore}; the replaced ones are backed up in {before}")
     return 0
 
 
 def cmd_buckets(args: argparse.Namespace) -> int:
-    from kit.data import plan_dataset
+    from kit.buckets import bucket_report, report_lines
 
-    samples, plan = plan_dataset(_config(args))
-    counts = plan.counts()
-    rows = [
-        {"bucket": f"{w}x{h}", "width": w, "height": h, "images": n, "aspect": round(w / h, 3)}
-        for (w, h), n in sorted(counts.items())
-    ]
+    if args.processes < 1:
+        raise KitError(f"--processes {args.processes} must be at least 1")
+    rep = bucket_report(_config(args), args.processes)
     if args.json:
-        _print_json({"buckets": rows, "images": len(samples)})
+        _print_json(rep)
         return 0
-    for r in rows:
-        print(f"{r['bucket']:>10}  aspect {r['aspect']:<6} {r['images']:>5} image(s)")
+    print("\n".join(report_lines(rep)))
     return 0
 
 
@@ -242,6 +296,37 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if args.fail_on and worst <= SEVERITIES.index(args.fail_on) else 0
 
 
+def cmd_accelerate_config(args: argparse.Namespace) -> int:
+    from kit.distributed import write_accelerate_config
+
+    cfg = _config(args) if args.config else None
+    out = write_accelerate_config(
+        args.out,
+        cfg,
+        processes=args.processes,
+        deepspeed_stage=args.deepspeed_stage,
+        offload_optimizer=args.offload_optimizer,
+        mixed_precision=args.mixed_precision,
+    )
+    print(f"wrote {out}; train with: accelerate launch --config_file {out} -m kit train CONFIG")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kit.archive import compare, format_comparison, plot_comparison
+
+    result = compare(args.run_a, args.run_b)
+    if args.plot:
+        plot_comparison(result, args.plot)
+    if args.json:
+        _print_json({k: v for k, v in result.items() if k != "history"})
+    else:
+        print(format_comparison(result))
+        if args.plot:
+            print(f"loss curves: {args.plot}")
+    return 0
+
+
 def _literal(text: str) -> Any:
     try:
         return json.loads(text)
@@ -275,14 +360,33 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(func=cmd_tiny)
 
-    sp = sub.add_parser("captions", help="report on the dataset's captions")
+    sp = sub.add_parser(
+        "captions", help="report on the dataset's captions, or bulk-edit them (dry run by default)"
+    )
     with_config(sp)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument("--prepend", metavar="WORD", help="put WORD first where a caption lacks it")
+    sp.add_argument("--append", metavar="WORD", help="put WORD last where a caption lacks it")
+    sp.add_argument("--replace", nargs=2, metavar=("OLD", "NEW"), help="search and replace")
+    sp.add_argument("--regex", action="store_true", help="--replace's OLD is a regular expression")
+    sp.add_argument("--strip", action="store_true", help="strip whitespace at both ends")
+    sp.add_argument(
+        "--normalize", action="store_true", help='join tags with ", ", drop empty tags and spaces'
+    )
+    sp.add_argument(
+        "--apply", action="store_true", help="write the edit (after backing up every caption)"
+    )
+    sp.add_argument("--restore", metavar="BACKUP", help="put back a caption backup folder")
     sp.set_defaults(func=cmd_captions)
 
-    sp = sub.add_parser("buckets", help="show the aspect buckets of the dataset")
+    sp = sub.add_parser(
+        "buckets", help="show the buckets, dropped images and steps per epoch training will use"
+    )
     with_config(sp)
     sp.add_argument("--json", action="store_true")
+    sp.add_argument(
+        "--processes", type=int, default=1, help="training processes (GPUs) sharing each epoch"
+    )
     sp.set_defaults(func=cmd_buckets)
 
     sp = sub.add_parser(
@@ -345,6 +449,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-on", choices=["error", "warning", "info"], help="exit 1 on a finding this serious"
     )
     sp.set_defaults(func=cmd_doctor)
+
+    sp = sub.add_parser("compare", help="compare two runs: config, dataset and loss")
+    sp.add_argument("run_a", help="run folder A")
+    sp.add_argument("run_b", help="run folder B (differences are shown as A → B)")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--plot", metavar="OUT.png", help="write both loss curves side by side")
+    sp.set_defaults(func=cmd_compare)
+
+    sp = sub.add_parser(
+        "accelerate-config", help="write an accelerate config file (DDP or DeepSpeed ZeRO)"
+    )
+    sp.add_argument("config", nargs="?", help="kit config: its accumulation and clipping are used")
+    sp.add_argument("--processes", type=int, default=1, help="processes (GPUs) on this machine")
+    sp.add_argument("--deepspeed-stage", type=int, help="DeepSpeed ZeRO stage (1 or 2)")
+    sp.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
+    sp.add_argument("--mixed-precision", help="no, fp16 or bf16; default: the kit config's")
+    sp.add_argument("--out", required=True, metavar="OUT.yaml")
+    sp.set_defaults(func=cmd_accelerate_config)
 
     sp = sub.add_parser("notebooks", help="execute the seven notebooks headlessly (papermill)")
     sp.add_argument("out_dir")

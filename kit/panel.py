@@ -45,7 +45,8 @@ def figure_png(rows: list[dict[str, Any]], dpi: int = 80) -> bytes:
     return buf.getvalue()
 
 
-def _grid_png(path: Path, size: int = 768) -> bytes:
+def _grid_png(path: Path, size: int = 768) -> tuple[bytes, int]:
+    """A validation grid shrunk to fit `size`, as PNG bytes, and its width in pixels."""
     from PIL import Image
 
     with Image.open(path) as im:
@@ -53,7 +54,7 @@ def _grid_png(path: Path, size: int = 768) -> bytes:
         im.thumbnail((size, size))
         buf = io.BytesIO()
         im.save(buf, format="PNG")
-    return buf.getvalue()
+    return buf.getvalue(), im.width
 
 
 class TrainPanel:
@@ -90,9 +91,11 @@ class TrainPanel:
         self.stop_button.on_click(lambda _: self.stop())
         self.progress = W.IntProgress(value=0, min=0, max=1, description="steps")
         self.status = W.HTML("press Start to train")
-        self.live = W.Image(format="png", layout=W.Layout(width="100%"))
+        # Both images stay hidden until they hold a picture (a front end draws an empty one as
+        # a broken-image icon); the grid is shown at its own width, never stretched.
+        self.live = W.Image(format="png", layout=W.Layout(width="100%", display="none"))
         self.live.add_class("kit-live-plot")
-        self.grid = W.Image(format="png")
+        self.grid = W.Image(format="png", layout=W.Layout(display="none"))
         self.grid_label = W.HTML()
         self.widget = W.VBox(
             [
@@ -173,7 +176,9 @@ class TrainPanel:
             if self._stop.is_set():
                 raise StopTraining
         elif kind == "validation":
-            self.grid.value = _grid_png(Path(event["grid"]))
+            self.grid.value, width = _grid_png(Path(event["grid"]))
+            self.grid.layout.width = f"{width}px"
+            self.grid.layout.display = ""
             self.grid_label.value = f"<b>validation at step {event['step']}</b>"
         elif kind == "end":
             self.redraw()
@@ -192,6 +197,7 @@ class TrainPanel:
         """Redraw the live figure from the steps seen so far."""
         if self.rows:
             self.live.value = figure_png(self.rows)
+            self.live.layout.display = ""
 
     def _progress(self, step: int) -> None:
         self.progress.value = step
