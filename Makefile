@@ -31,7 +31,7 @@ demo: $(STAMP)
 chromium:
 	@command -v chromium >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq >/dev/null 2>&1 && \
-		  apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; } || \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; } || \
 		echo "chromium could not be installed; the browser test will be skipped"
 
 test: $(STAMP) chromium
