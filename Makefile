@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,lab]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,lab,deepspeed]"
 	touch $(STAMP)
 
 demo: $(STAMP)

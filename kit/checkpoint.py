@@ -18,6 +18,9 @@ from kit.errors import KitError
 MARKER = "COMPLETE"
 ADAPTER_FILE = "adapter.safetensors"
 EMA_FILE = "adapter_ema.safetensors"
+SHARDED_DIR = "deepspeed"
+"""Under DeepSpeed ZeRO: every process's part of the optimizer state (the engine's own format),
+in place of `optimizer.pt`."""
 _CORE = {"optimizer", "scheduler", "rng"}
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -87,11 +90,15 @@ def save_checkpoint(
     keep: int = 0,
     extras: dict[str, Any] | None = None,
     ema_weights: dict[str, torch.Tensor] | None = None,
+    folders: dict[str, Path] | None = None,
 ) -> Path:
     """Write the full state of `step`; the folder appears only once complete.
 
     `extras` are further states (EMA, gradient scaler), each saved as `<name>.pt`;
-    `ema_weights` are the averaged trained weights, saved beside the raw ones.
+    `ema_weights` are the averaged trained weights, saved beside the raw ones. `folders` are
+    finished folders (name → where they were written) moved in before the checkpoint is marked
+    complete: the DeepSpeed state that every process wrote. `optimizer` is None when that
+    state holds the optimizer's.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = final.with_name(f".{final.name}.tmp")
@@ -99,7 +106,8 @@ def save_checkpoint(
     try:
         tmp.mkdir(parents=True)
         save_file(adapter, str(tmp / ADAPTER_FILE))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_state(generator), tmp / "rng.pt")
         for name, state in (extras or {}).items():
@@ -107,6 +115,8 @@ def save_checkpoint(
         if ema_weights is not None:
             save_file(ema_weights, str(tmp / EMA_FILE))
         (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
+        for name, folder in (folders or {}).items():
+            shutil.move(str(folder), str(tmp / name))
         (tmp / MARKER).write_text(str(step))
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -127,11 +137,16 @@ def save_checkpoint(
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint folder back into memory (extras under `extras`)."""
+    """Read a checkpoint folder back into memory (extras under `extras`).
+
+    `optimizer` is None for a DeepSpeed checkpoint: its optimizer state is in `SHARDED_DIR`,
+    split by process, and only the DeepSpeed engine reads it back.
+    """
+    optimizer = path / "optimizer.pt"
     return {
         "adapter": load_file(str(path / ADAPTER_FILE)),
         "ema_weights": load_file(str(path / EMA_FILE)) if (path / EMA_FILE).is_file() else None,
-        "optimizer": torch.load(path / "optimizer.pt", weights_only=True),
+        "optimizer": torch.load(optimizer, weights_only=True) if optimizer.is_file() else None,
         "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
         "rng": torch.load(path / "rng.pt", weights_only=True),
         "progress": json.loads((path / "progress.json").read_text()),

@@ -461,11 +461,15 @@ def _checkpoint_state(path: Path, step: int) -> list[str]:
     """What a checkpoint lacks for an exact resume."""
     import torch
 
+    from kit.checkpoint import SHARDED_DIR
+
     out = []
+    # Under DeepSpeed the optimizer state is in the engine's own folder, one file per process.
+    sharded = (path / SHARDED_DIR).is_dir()
     missing = [
         n
         for n in ("optimizer.pt", "scheduler.pt", "rng.pt", "progress.json")
-        if not (path / n).is_file()
+        if not (path / n).is_file() and not (sharded and n == "optimizer.pt")
     ]
     if missing:
         out.append(f"{path.name} lacks {', '.join(missing)}")
