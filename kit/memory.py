@@ -53,7 +53,7 @@ CUDA_CONTEXT = int(0.45 * GIB)  # CUDA context and kernels, outside PyTorch's al
 ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share of the peak
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "prodigy")
-VERSION = 1  # bump when the trace changes: keys the on-disk cache
+VERSION = 2  # bump when the trace changes: keys the on-disk cache
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 # Hub ids and short names whose configs ship with the kit (no network needed to estimate).
@@ -161,12 +161,26 @@ _FP32_INTERPOLATE = {"nearest", "nearest-exact", "linear", "bilinear", "bicubic"
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _heads_inner(like: torch.Tensor, last: int) -> torch.Tensor:
+    """An empty (batch, heads, tokens, `last`) tensor laid out as the kernels write it.
+
+    Flash and memory-efficient attention (and the CPU flash kernel) write (batch, tokens, heads,
+    dim) and return a transposed view, so the `transpose(1, 2).reshape(batch, tokens, -1)` that
+    follows attention is a free view. A heads-outer tensor would make that reshape copy, and the
+    copy would be counted again where the output projection saves its input.
+    """
+    if like.dim() != 4:
+        return like.new_empty(*like.shape[:-1], last)
+    b, h, n, _ = like.shape
+    return like.new_empty(b, n, h, last).transpose(1, 2)
+
+
 class _Attention(torch.autograd.Function):
     """Attention stored as flash / memory-efficient kernels store it: output and log-sum-exp."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        out = _heads_inner(q, v.shape[-1])
         lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -177,7 +191,11 @@ class _Attention(torch.autograd.Function):
         # The backward kernels hold a row statistic and an fp32 accumulator for dq.
         scratch = (lse.new_empty(lse.shape), q.new_empty(q.shape, dtype=torch.float32))
         del scratch
-        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        return (
+            _heads_inner(q, q.shape[-1]),
+            _heads_inner(k, k.shape[-1]),
+            _heads_inner(v, v.shape[-1]),
+        )
 
 
 def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **_):

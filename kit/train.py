@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -19,9 +20,10 @@ import torch
 
 from kit import checkpoint as ckpt
 from kit.config import Config
-from kit.data import CachedDataset, build_cache, epoch_batches, load_samples
+from kit.data import CachedDataset, check_dataset, epoch_batches, fill_cache, plan_cache
 from kit.errors import KitError
 from kit.families import Components, Family, get_family
+from kit.families.base import PARTS
 from kit.io import write_text
 from kit.network import build_network
 from kit.objective import EMA, FixedLoss, denoising_loss, drop_captions
@@ -30,6 +32,11 @@ from kit.runs import RunDir
 from kit.validate import default_prompts, image_specs, run_validation
 
 Callback = Callable[[dict[str, Any]], None]
+
+
+class StopTraining(Exception):
+    """Raised by a callback to end training early: a checkpoint is saved, as after Ctrl-C."""
+
 
 # Settings that change the sequence of updates: a resume with other values is not exact.
 EXACTNESS_KEYS = ("train_batch_size", "gradient_accumulation_steps", "seed", "resolution")
@@ -46,11 +53,18 @@ class TrainResult:
     validation_grids: list[Path] = field(default_factory=list)
 
 
+# Set to 1 to train fp16 (autocast and gradient scaler) on a CPU: slow and of no use for real
+# training, but it runs the fp16 path (scaler, overflow skips, NaN stop) where no GPU is.
+CPU_FP16_ENV = "KIT_ALLOW_CPU_FP16"
+
+
 def resolve_precision(requested: str) -> str:
     """The mixed precision this machine can run: the request, or fp32 with a warning."""
     if requested == "no":
         return "no"
     if not torch.cuda.is_available():
+        if requested == "fp16" and os.environ.get(CPU_FP16_ENV) == "1":
+            return "fp16"
         warnings.warn(
             f"mixed_precision={requested!r} needs a CUDA GPU; none found, training in fp32",
             stacklevel=2,
@@ -64,8 +78,10 @@ def resolve_precision(requested: str) -> str:
     return requested
 
 
-def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, Components]:
-    """The configured family and its loaded base model."""
+def load_base(
+    cfg: Config, dtype: torch.dtype = torch.float32, parts: tuple[str, ...] = PARTS
+) -> tuple[Family, Components]:
+    """The configured family and its loaded base model (only `parts` of it, see `PARTS`)."""
     family = get_family(cfg.model.model_family, cfg)
     try:
         comps = family.load(
@@ -73,6 +89,7 @@ def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, 
             revision=cfg.model.revision,
             variant=cfg.model.variant,
             dtype=dtype,
+            parts=parts,
         )
     except (OSError, ValueError) as e:
         raise KitError(
@@ -84,7 +101,8 @@ def load_base(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[Family, 
 def _accelerator(cfg: Config, run: RunDir) -> tuple[Any, str]:
     """accelerate's Accelerator for this run, and the precision actually used."""
     from accelerate import Accelerator
-    from accelerate.utils import GradScalerKwargs, ProjectConfiguration
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs, ProjectConfiguration
 
     t = cfg.train
     precision = resolve_precision(t.mixed_precision)
@@ -98,15 +116,35 @@ def _accelerator(cfg: Config, run: RunDir) -> tuple[Any, str]:
                 growth_interval=t.grad_scaler_growth_interval,
             )
         )
+    on_cpu = not torch.cuda.is_available()
+    deepspeed = _deepspeed_launch()
+    if on_cpu and deepspeed:
+        # accelerate drops DeepSpeed when told `cpu=True`; without it, it must be told that the
+        # processes talk over gloo, or each one takes itself for the only process.
+        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+    shared = AcceleratorState._shared_state
+    if shared and shared.get("_mixed_precision") != precision:
+        # accelerate keeps one precision per process; a later run in the same process (a
+        # notebook kernel, a test session) may ask for another. The process group is kept.
+        AcceleratorState._reset_state()
     accelerator = Accelerator(
         # Without a GPU, `cpu=True` is what makes accelerate join a multi-process (gloo) launch.
-        cpu=not torch.cuda.is_available(),
+        cpu=on_cpu and not deepspeed,
         mixed_precision=precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         log_with=None if t.report_to == "none" else t.report_to,
         project_config=ProjectConfiguration(project_dir=str(run.root), logging_dir=str(run.logs)),
         kwargs_handlers=handlers,
     )
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        # accelerate builds neither autocast nor a scaler for fp16 on a CPU; torch has both,
+        # and accelerate uses them once they are set, before `prepare`.
+        accelerator.scaler = torch.amp.GradScaler("cpu", **handlers[0].to_kwargs())
+        accelerator.native_amp = True
+    if accelerator.state.deepspeed_plugin is not None:
+        # Batches are not given to `prepare` as a DataLoader, so DeepSpeed is told their size.
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = t.train_batch_size
     return accelerator, precision
 
 
@@ -119,6 +157,7 @@ def train(
     callbacks: list[Callback] | tuple[Callback, ...] = (),
 ) -> TrainResult:
     """Train the configured network; `resume="latest"` continues the newest checkpoint."""
+    started_at = time.time()  # wall clock, for the run archive
     t, o = cfg.train, cfg.objective
     run = RunDir(Path(t.output_dir))
     accelerator, precision = _accelerator(cfg, run)
@@ -127,20 +166,30 @@ def train(
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     _refuse_mixed_runs(run, resume, overwrite)
-    load_samples(
-        cfg.data, get_family(cfg.model.model_family, cfg)
-    )  # bad data fails here, before any download or deletion
-    torch.manual_seed(t.seed)  # adapter initialisation
-    family, comps = load_base(cfg)
+    # A dataset without one usable file fails here, before any download or deletion.
+    scanned = check_dataset(cfg.data, get_family(cfg.model.model_family, cfg))
+    # The cache is planned first: parts whose every entry is cached are never loaded.
+    family = get_family(cfg.model.model_family, cfg)
+    identity = family.identity(cfg.model.pretrained_model, cfg.model.revision)
+    dropout = o.caption_dropout > 0  # only caption dropout needs the empty caption
+    data = plan_cache(
+        cfg, identity, weight_dtype, num_processes=accelerator.num_processes, empty=dropout
+    )
+    holdout = _holdout(cfg, identity, weight_dtype)
+    family, comps = load_base(cfg, parts=_parts_needed(cfg, family, data, holdout))
     for m in comps.frozen_modules():
         m.to(device, dtype=weight_dtype)
-    data = build_cache(cfg, family, comps, device)
-    holdout = _holdout(cfg, family, comps, device)
-    empty_text = {k: v[0].float().cpu() for k, v in family.encode_text(comps, [""]).items()}
+    fill_cache(data, cfg, family, comps, device)
+    if holdout is not None:
+        fill_cache(holdout, cfg, family, comps, device)
+    scanned.unreadable += data.skipped  # headers that read fine over pixels that did not
+    scanned.samples = data.samples
+    empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
     _check_resume(run, cfg, data, resume_from, force)
     if overwrite and not resume and accelerator.is_main_process:
         _clear_run(run)
 
+    torch.manual_seed(t.seed)  # adapter initialisation, the same whichever parts were loaded
     net = build_network(cfg, family)
     summary = net.attach(comps)
     unet = comps.denoiser
@@ -152,6 +201,8 @@ def train(
     unet.train()
     optimizer = make_optimizer(params, t)
     lr_scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
+    # Under DeepSpeed too accelerate steps this schedule (the engine steps only its own kinds).
+    deepspeed = accelerator.state.deepspeed_plugin is not None
     unet, optimizer, lr_scheduler = accelerator.prepare(unet, optimizer, lr_scheduler)
     comps.denoiser = unet  # the family calls whatever accelerate wrapped
     ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
@@ -168,7 +219,16 @@ def train(
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from)
         net.load_state_dict(comps, state["adapter"])
-        optimizer.load_state_dict(state["optimizer"])
+        if deepspeed:
+            _load_sharded(unet, resume_from)
+        elif state["optimizer"] is None:
+            raise KitError(
+                f"{resume_from} was saved under DeepSpeed: its optimizer state is split across "
+                "processes; resume it with the same accelerate config file (accelerate launch "
+                "--config_file ...)"
+            )
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         lr_scheduler.load_state_dict(state["scheduler"])
         ckpt.set_rng_state(state["rng"], generator)
         if ema is not None and "ema" in state["extras"]:
@@ -186,7 +246,10 @@ def train(
         run.root.mkdir(parents=True, exist_ok=True)
         cfg.save(run.config)
         (run.manifest).write_text(json.dumps(data.manifest(), indent=1))
+        write_text(run.data_report, json.dumps(scanned.entries(), indent=1, ensure_ascii=False))
         run.logs.mkdir(parents=True, exist_ok=True)
+    if scanned.entries():
+        accelerator.print(f"data: {scanned.summary()}; every file and reason in {run.data_report}")
     if accelerator.log_with:
         accelerator.init_trackers("kit", config=_scalar_config(cfg))
 
@@ -200,7 +263,23 @@ def train(
         with ema.swapped_in(params):
             return net.state_dict(comps)
 
-    def save(at_step: int) -> Path:
+    def save(at_step: int) -> Path | None:
+        """Save a checkpoint: on the main process, or on every process under DeepSpeed."""
+        if not deepspeed:
+            return write_checkpoint(at_step) if accelerator.is_main_process else None
+        # Each process writes its part of the optimizer state, then the main process moves the
+        # whole into the checkpoint before marking it complete.
+        staged = run.root / "checkpoints" / f".step-{at_step:06d}.{ckpt.SHARDED_DIR}.tmp"
+        if accelerator.is_main_process:
+            shutil.rmtree(staged, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        unet.save_checkpoint(str(staged), tag=SHARDED_TAG, exclude_frozen_parameters=True)
+        accelerator.wait_for_everyone()
+        path = write_checkpoint(at_step, staged) if accelerator.is_main_process else None
+        accelerator.wait_for_everyone()  # no process goes on before the checkpoint is complete
+        return path
+
+    def write_checkpoint(at_step: int, staged: Path | None = None) -> Path:
         # The data position of the last finished optimizer step: batches of a step that an
         # interrupt cut short are trained again after a resume.
         at_epoch, at_position = cursor
@@ -219,13 +298,14 @@ def train(
             run.root,
             at_step,
             net.state_dict(comps),
-            optimizer,
+            None if staged else optimizer,
             lr_scheduler,
             generator,
             progress,
             keep=t.checkpoints_total_limit,
             extras=extras,
             ema_weights=ema_weights(),
+            folders={ckpt.SHARDED_DIR: staged} if staged else None,
         )
         result.checkpoint = path
         emit(kind="checkpoint", step=at_step, path=path)
@@ -234,6 +314,12 @@ def train(
     def validate(at_step: int) -> Path:
         # With EMA, the images show the averaged weights: the ones that get exported.
         swap = ema.swapped_in(params) if ema is not None else contextlib.nullcontext()
+        if comps.missing_parts():
+            # Trained from a full cache: the encoders load now, for sampling only.
+            _, rest = load_base(cfg, parts=comps.missing_parts())
+            for m in rest.frozen_modules():
+                m.to(device, dtype=weight_dtype)
+            comps.take_parts(rest)
         pipe = family.pipeline(replace(comps, denoiser=accelerator.unwrap_model(unet)))
         unet.eval()
         with swap, accelerator.autocast():
@@ -266,31 +352,33 @@ def train(
     restore_signals = _sigterm_as_interrupt()
     try:
         while step < t.max_train_steps:
-            batches = epoch_batches(data.plan, t.train_batch_size, t.seed, epoch)
-            # Each process takes every world-th batch; a tail that cannot go to every process
-            # waits for the next epoch's shuffle, so all processes step together.
-            usable = len(batches) - len(batches) % world
+            # Each process takes every world-th batch (the tail that cannot go to every process
+            # is already left out), so all processes step together.
+            batches = epoch_batches(data.plan, t.train_batch_size, t.seed, epoch, world)
+            usable = len(batches)
             if usable == 0:
                 raise KitError(
-                    f"{len(batches)} batch(es) per epoch cannot be shared by {world} processes; "
-                    "lower train_batch_size or use fewer processes"
+                    f"fewer batches per epoch than the {world} processes that share them; "
+                    "lower train_batch_size or use fewer processes (see `kit buckets`)"
                 )
             while position < usable and step < t.max_train_steps:
                 mine = position + rank
                 indices = batches[mine]
                 if world > 1:
                     _audit(run, rank, {"epoch": epoch, "batch": mine, "samples": indices})
-                batch = data.load_batch(indices)
                 position += world
-                # Noise, timesteps, dropout and caption dropout come from this batch's own
-                # stream: the same numbers whichever process draws it, before or after a resume.
+                # Noise, timesteps, dropout, caption variants and caption dropout come from this
+                # batch's own stream: the same numbers whichever process draws it, before or
+                # after a resume.
                 generator = _batch_generator(t.seed, epoch, mine)
+                variants = data.draw_variants(len(indices), generator)
+                batch = data.load_batch(indices, variants)
                 dropped = drop_captions(batch, empty_text, o.caption_dropout, generator)
                 with accelerator.accumulate(unet):
                     if net.live_text:
                         captions = [
-                            "" if d else data.samples[i].caption
-                            for i, d in zip(indices, dropped, strict=True)
+                            "" if d else data.variant_texts[i][variants[j] if variants else 0]
+                            for j, (i, d) in enumerate(zip(indices, dropped, strict=True))
                         ]
                         batch.update(family.encode_text(comps, captions))
                     loss = denoising_loss(family, comps, batch, generator, device)
@@ -298,7 +386,9 @@ def train(
                     grad_norm = None
                     if accelerator.sync_gradients:
                         clip = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
-                        grad_norm = float(accelerator.clip_grad_norm_(params, clip))
+                        norm = accelerator.clip_grad_norm_(params, clip)
+                        # DeepSpeed clips inside its own step and may report no norm here.
+                        grad_norm = None if norm is None else float(norm)
                     optimizer.step()
                     lr_scheduler.step()
                     optimizer.zero_grad(set_to_none=True)
@@ -335,8 +425,7 @@ def train(
                 progress_bar.set_postfix(loss=f"{loss_value:.4f}")
                 emit(kind="step", **row)
                 if t.checkpointing_steps and step % t.checkpointing_steps == 0 and not last:
-                    if accelerator.is_main_process:
-                        save(step)
+                    save(step)
                 v_every = cfg.validation.validation_steps
                 if accelerator.is_main_process and (last or (v_every and step % v_every == 0)):
                     result.validation_grids.append(validate(step))
@@ -344,17 +433,20 @@ def train(
                 epoch, position = epoch + 1, 0
                 if not micro_losses:
                     cursor = (epoch, position)
-        if accelerator.is_main_process:
-            save(step)
+        save(step)
         if world > 1:
             _audit(
                 run, rank, {"final_step": step, "weights_sha256": _digest(net.state_dict(comps))}
             )
         accelerator.wait_for_everyone()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StopTraining):
         # Stopped by the user: keep what was learned, then stop cleanly.
         saved = result.checkpoint is not None and result.checkpoint.name == f"step-{step:06d}"
-        if accelerator.is_main_process and step > 0 and not saved:
+        if deepspeed and step > 0 and not saved:
+            # A DeepSpeed checkpoint needs every process at the same point, which an interrupt
+            # does not promise: the last periodic checkpoint is the one to resume from.
+            accelerator.print("under DeepSpeed no checkpoint is saved on an interrupt")
+        elif accelerator.is_main_process and step > 0 and not saved:
             save(step)
         result.interrupted = True
         accelerator.print(f"interrupted at step {step}; checkpoint: {result.checkpoint}")
@@ -367,6 +459,16 @@ def train(
 
             # Also when training stopped on an error: the report then explains it.
             write_report(run.root, error=sys.exc_info()[1])
+            # The archive must never replace the run's own error with one of its own.
+            with contextlib.suppress(Exception):
+                from kit.archive import write_archive
+
+                write_archive(
+                    run.root,
+                    started=started_at,
+                    error=sys.exc_info()[1],
+                    interrupted=result.interrupted,
+                )
     result.step = step
     if accelerator.is_main_process:
         from kit.plots import plot_metrics
@@ -374,6 +476,32 @@ def train(
         plot_metrics(run.read_metrics(), run.loss_plot)
     emit(kind="end", step=step, result=result)
     return result
+
+
+SHARDED_TAG = "zero"
+"""The DeepSpeed engine's name for its state inside a checkpoint's `ckpt.SHARDED_DIR`."""
+
+
+def _deepspeed_launch() -> bool:
+    """Whether `accelerate launch` started this process with a DeepSpeed config."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def _load_sharded(engine: Any, checkpoint: Path) -> None:
+    """Load this process's part of the optimizer state (and the trained weights) under DeepSpeed."""
+    folder = checkpoint / ckpt.SHARDED_DIR
+    if not (folder / SHARDED_TAG).is_dir():
+        raise KitError(
+            f"{checkpoint} was not saved under DeepSpeed (no {ckpt.SHARDED_DIR}/ folder): its "
+            "optimizer state cannot be split across processes; resume it without DeepSpeed"
+        )
+    # Only the trained weights were saved: the frozen base is not in the file. The schedule is
+    # accelerate's, not the engine's, and comes back from the checkpoint's scheduler.pt.
+    loaded, _ = engine.load_checkpoint(
+        str(folder), tag=SHARDED_TAG, load_module_strict=False, load_lr_scheduler_states=False
+    )
+    if loaded is None:
+        raise KitError(f"DeepSpeed could not load the state in {folder}")
 
 
 def _audit(run: RunDir, rank: int, record: dict[str, Any]) -> None:
@@ -414,12 +542,29 @@ def _sigterm_as_interrupt() -> Callable[[], None]:
     return lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def _holdout(cfg: Config, family: Family, comps: Components, device: Any) -> CachedDataset | None:
-    """Cached held-out images (`validation_image_dir`), or None."""
+def _holdout(cfg: Config, identity: dict[str, str], dtype: torch.dtype) -> CachedDataset | None:
+    """The planned cache of the held-out images (`validation_image_dir`), or None."""
     folder = cfg.validation.validation_image_dir
     if not folder:
         return None
-    return build_cache(cfg.replace(image_dir=folder, caption_dir=""), family, comps, device)
+    # Every held-out image counts: a small bucket is kept whole, never dropped or moved.
+    held = cfg.replace(image_dir=folder, caption_dir="", small_bucket_policy="repeat")
+    return plan_cache(held, identity, dtype)
+
+
+def _parts_needed(
+    cfg: Config, family: Family, data: CachedDataset, holdout: CachedDataset | None
+) -> tuple[str, ...]:
+    """The base model's parts this run needs now: encoders only for what is not cached yet."""
+    missing = data.missing()
+    if holdout is not None:
+        missing = {k: v + holdout.missing()[k] for k, v in missing.items()}
+    parts = ["denoiser"]
+    if missing["latents"]:
+        parts.append("vae")
+    if missing["text"] or build_network(cfg, family).live_text:
+        parts.append("text_encoders")
+    return tuple(parts)
 
 
 def _guard_finite(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -170,3 +171,40 @@ def test_shape_is_the_trace_key():
     a = Shape(512, 512, 1, False, "bf16", False)
     assert a == Shape(512, 512, 1, False, "bf16", False)
     assert a != Shape(512, 512, 2, False, "bf16", False)
+
+
+def _attention_block(device: str, estimate_kernels: bool) -> tuple[int, tuple[int, ...], int]:
+    """A projection, attention and output projection as diffusers runs them; the bytes kept."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 32, device=device, requires_grad=True)
+    proj = torch.nn.Linear(32, 32, device=device)
+    counter = memory._LiveBytes()
+    mode = memory._Autocast(None, {}) if estimate_kernels else contextlib.nullcontext()
+    with counter, mode:
+        q = proj(x).view(2, 64, 4, 8).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, q, q)
+        y = proj(out.transpose(1, 2).reshape(2, 64, 32))
+        before_backward = counter.live
+        y.sum().backward()
+    return before_backward, out.stride(), counter.live
+
+
+def test_attention_keeps_what_the_cpu_flash_kernel_keeps():
+    """Same layout and same saved bytes as the real kernel: the reshape after it is no copy."""
+    kept, stride, after = _attention_block("meta", estimate_kernels=True)
+    assert (kept, stride, after) == _attention_block("cpu", estimate_kernels=False)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_traced_step_matches_a_real_cpu_step_tensor_for_tensor(tiny_sd15, ckpt):
+    """The trace's live tensors equal those of a real fp32 CPU step counted the same way."""
+    cfg = _cfg(str(tiny_sd15), "sd15", 128, train_batch_size=2, gradient_checkpointing=ckpt)
+    est = estimate(cfg)
+    c = est.components
+    # The real count starts once the model is loaded: weights and inputs are not in it.
+    weights = sum(v for k, v in c.items() if k.endswith("_weights"))
+    traced = est.allocated_bytes - weights - c["batch"]
+    counter = memory._LiveBytes()
+    with contextlib.ExitStack() as stack:
+        memory.real_step(cfg, "cpu", steps=2, on_ready=lambda: stack.enter_context(counter))
+    assert abs(traced / counter.peak - 1) < 0.01, (traced, counter.peak)
