@@ -66,10 +66,6 @@ def test_committed_base_loads_and_is_small():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="the committed toy base does not yet reach the issue's targets (see RECIPE.md)",
-)
 def test_committed_base_draws_what_it_is_told():
     import torch
 
