@@ -44,6 +44,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_train.py
+	$(BIN)/python benchmarks/bench_data.py
+	$(BIN)/python benchmarks/bench_e2e.py
 
 clean:
 	rm -rf runs/demo .pytest_cache
