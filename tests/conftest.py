@@ -68,3 +68,21 @@ def make_config(tmp_path, tiny_sd15, dataset):
         return write_config(tmp_path / name, **fields)
 
     return make
+
+
+@pytest.fixture()
+def nan_at_call(monkeypatch):
+    """`nan_at_call(n)`: the SD1.5 denoiser's n-th prediction comes out NaN, the others real."""
+    from kit.families.sd15 import SD15
+
+    def poison(n: int) -> None:
+        real, calls = SD15.predict, {"n": 0}
+
+        def poisoned(self, comps, noisy, timesteps, cond):
+            calls["n"] += 1
+            out = real(self, comps, noisy, timesteps, cond)
+            return out * float("nan") if calls["n"] == n else out
+
+        monkeypatch.setattr(SD15, "predict", poisoned)
+
+    return poison

@@ -141,10 +141,8 @@ def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, make_co
 
 
 def test_nan_loss_stops_with_step_scale_and_last_good_checkpoint(
-    tmp_path, make_config, cpu_fp16, monkeypatch
+    tmp_path, make_config, cpu_fp16, nan_at_call
 ):
-    from kit.families.sd15 import SD15
-
     cfg = load_config(
         make_config(
             mixed_precision="fp16",
@@ -154,15 +152,7 @@ def test_nan_loss_stops_with_step_scale_and_last_good_checkpoint(
             grad_scaler_backoff_factor=0.5,
         )
     )
-    real = SD15.predict
-    calls = {"n": 0}
-
-    def poisoned(self, comps, noisy, timesteps, cond):
-        calls["n"] += 1
-        out = real(self, comps, noisy, timesteps, cond)
-        return out * float("nan") if calls["n"] == 3 else out
-
-    monkeypatch.setattr(SD15, "predict", poisoned)
+    nan_at_call(3)
     # The NaN gradients also made the scaler skip the step and back off: 1024 → 512.
     with pytest.raises(
         KitError,

@@ -221,19 +221,9 @@ def test_sqrt_learning_rate_scaling():
     assert scale_learning_rate(1e-4, 16, 4) == pytest.approx(5e-5)
 
 
-def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, make_config, monkeypatch):
-    from kit.families.sd15 import SD15
-
+def test_nan_guard_stops_and_keeps_the_last_good_checkpoint(tmp_path, make_config, nan_at_call):
     cfg = load_config(make_config(max_train_steps=6, checkpointing_steps=2))
-    real = SD15.predict
-    calls = {"n": 0}
-
-    def poisoned(self, comps, noisy, timesteps, cond):
-        calls["n"] += 1
-        out = real(self, comps, noisy, timesteps, cond)
-        return out * float("nan") if calls["n"] == 3 else out
-
-    monkeypatch.setattr(SD15, "predict", poisoned)
+    nan_at_call(3)
     with pytest.raises(KitError, match="loss became nan at step 3.*step-000002"):
         train(cfg)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "run")] == ["step-000002"]
