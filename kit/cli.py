@@ -463,7 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("config", nargs="?", help="kit config: its accumulation and clipping are used")
     sp.add_argument("--processes", type=int, default=1, help="processes (GPUs) on this machine")
     sp.add_argument("--deepspeed-stage", type=int, help="DeepSpeed ZeRO stage (1 or 2)")
-    sp.add_argument("--offload-optimizer", action="store_true", help="optimizer state in CPU memory")
+    sp.add_argument(
+        "--offload-optimizer", action="store_true", help="optimizer state in CPU memory"
+    )
     sp.add_argument("--mixed-precision", help="no, fp16 or bf16; default: the kit config's")
     sp.add_argument("--out", required=True, metavar="OUT.yaml")
     sp.set_defaults(func=cmd_accelerate_config)

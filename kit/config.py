@@ -124,7 +124,9 @@ class DataConfig:
         if self.num_frames < 1 or self.frame_stride < 1:
             raise ConfigError("num_frames and frame_stride must be at least 1")
         if self.bucket_step < 0 or self.bucket_step % 8:
-            raise ConfigError(f"bucket_step: {self.bucket_step} must be 0 or a positive multiple of 8")
+            raise ConfigError(
+                f"bucket_step: {self.bucket_step} must be 0 or a positive multiple of 8"
+            )
         if self.max_aspect_ratio < 1.0:
             raise ConfigError(f"max_aspect_ratio: {self.max_aspect_ratio} must be at least 1.0")
         if self.keep_tokens < 0:
@@ -235,7 +237,9 @@ class ObjectiveConfig:
         if self.logit_std <= 0:
             raise ConfigError(f"logit_std: {self.logit_std} must be positive")
         if self.flow_shift < 0:
-            raise ConfigError(f"flow_shift: {self.flow_shift} must be 0 (family default) or positive")
+            raise ConfigError(
+                f"flow_shift: {self.flow_shift} must be 0 (family default) or positive"
+            )
         for name in ("caption_dropout", "ema_decay"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be in [0, 1)")
@@ -450,7 +454,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 return _coerce(key, value, arg)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[-1] if len(errors) == 1 else f"{key}: {value!r} has the wrong type")
+        raise ConfigError(
+            errors[-1] if len(errors) == 1 else f"{key}: {value!r} has the wrong type"
+        )
     if origin is Literal:
         if value not in args:
             close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)

@@ -344,7 +344,9 @@ def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
     if not dropped:
         raise DataError(f"no images found in {cfg.image_dir} (extensions: {sorted(IMAGE_EXTS)})")
     why = "; ".join(report.problems())
-    raise DataError(f"no usable images in {cfg.image_dir}: all {len(dropped)} file(s) skipped: {why}")
+    raise DataError(
+        f"no usable images in {cfg.image_dir}: all {len(dropped)} file(s) skipped: {why}"
+    )
 
 
 def load_samples(cfg: DataConfig, family: Any = None) -> list[Sample]:

@@ -98,11 +98,15 @@ def advice(rep: dict[str, Any]) -> list[str]:
         notes.append(f"missing packages: {', '.join(missing)} (pip install -e .)")
     dev = rep["devices"][0]
     if dev["device"] == "cpu":
-        notes.append("no GPU: training runs in fp32 on the CPU; fine for the tiny demo, slow for real models")
+        notes.append(
+            "no GPU: training runs in fp32 on the CPU; fine for the tiny demo, slow for real models"
+        )
     elif not dev["bf16"]:
         notes.append(f"{dev['name']} lacks bf16: use mixed_precision=fp16")
     if rep["disk_free_gib"] < 10:
-        notes.append(f"only {rep['disk_free_gib']} GiB free disk: real checkpoints need several GiB")
+        notes.append(
+            f"only {rep['disk_free_gib']} GiB free disk: real checkpoints need several GiB"
+        )
     return notes or ["ready"]
 
 

@@ -31,7 +31,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def write_clip_tokenizer_files(out_dir: str | Path, words: tuple[str, ...] | list[str] = WORDS) -> int:
+def write_clip_tokenizer_files(
+    out_dir: str | Path, words: tuple[str, ...] | list[str] = WORDS
+) -> int:
     """Write `vocab.json` and `merges.txt` of a small CLIP-style BPE; return the vocab size."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,7 +89,11 @@ def write_t5_tokenizer(out_dir: str | Path, words: tuple[str, ...] | list[str] =
         single=["$A", "</s>"], pair=["$A", "</s>", "$B", "</s>"], special_tokens=[("</s>", 1)]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="</s>", unk_token="<unk>", pad_token="<pad>", model_max_length=512
+        tokenizer_object=tok,
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        model_max_length=512,
     )
     fast.save_pretrained(str(out_dir))
     return len(pieces)

@@ -158,7 +158,11 @@ def test_a_wrong_file_fails_verification(trained_run, tmp_path):
 
 def test_export_dtype_and_errors(trained_run, tmp_path):
     half = export(trained_run.root, "kohya", dtype="fp16", verify=False, out_dir=tmp_path)
-    assert all(t.dtype == torch.float16 for k, t in load_file(str(half.path)).items() if k.endswith(".weight"))
+    assert all(
+        t.dtype == torch.float16
+        for k, t in load_file(str(half.path)).items()
+        if k.endswith(".weight")
+    )
     with pytest.raises(KitError, match="unknown export format"):
         export(trained_run.root, "ckpt")
 

@@ -91,7 +91,9 @@ def family_run(request, tmp_path_factory):
 
 
 def _config(tmp, fields, run: str, **overrides):
-    path = write_config(tmp / f"{run}.json", **{**fields, "output_dir": str(tmp / run), **overrides})
+    path = write_config(
+        tmp / f"{run}.json", **{**fields, "output_dir": str(tmp / run), **overrides}
+    )
     return load_config(path)
 
 

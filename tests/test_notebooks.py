@@ -42,7 +42,9 @@ def test_all_notebooks_run_headlessly(tmp_path, make_config):
         trigger_words=["zorbstar"],
     )
     out = tmp_path / "demo"
-    assert main(["notebooks", str(out), "-p", "config_path", str(cfg), "-p", "plot_every", "2"]) == 0
+    assert (
+        main(["notebooks", str(out), "-p", "config_path", str(cfg), "-p", "plot_every", "2"]) == 0
+    )
     for name in NOTEBOOKS:
         nb = nbformat.read(out / "notebooks" / f"{name}.ipynb", as_version=4)
         errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]

@@ -58,7 +58,9 @@ def test_guide_flat_config_trains(tmp_path, tiny_sd15, dataset):
     with pytest.warns(UserWarning, match="mixed_precision='bf16'"):
         result = train(cfg)
     assert result.step == 2
-    rows = [json.loads(line) for line in (tmp_path / "run/logs/metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run/logs/metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["loss"] > 0 and r["grad_norm"] is not None and r["lr"] > 0 for r in rows)
     assert (tmp_path / "run/loss.png").is_file()
@@ -90,7 +92,9 @@ def test_resume_mid_run_matches_straight_run(tmp_path, make_config):
         if event["kind"] == "checkpoint" and event["step"] == 10:
             raise KeyboardInterrupt
 
-    first = train(cfg_b, callbacks=[stop_at_10])  # the interrupt's own save is skipped: step 10 is saved
+    first = train(
+        cfg_b, callbacks=[stop_at_10]
+    )  # the interrupt's own save is skipped: step 10 is saved
     assert first.interrupted and first.step == 10
     progress = json.loads((ckpt.checkpoint_dir(b, 10) / "progress.json").read_text())
     assert progress["position"] not in (0,), "the checkpoint should fall mid-epoch"
@@ -111,7 +115,9 @@ def test_cli_resume_with_longer_run_matches_straight_run(tmp_path, make_config):
     from kit.cli import main
 
     common = {"max_train_steps": 20, "checkpointing_steps": 5, "lr_scheduler": "constant"}
-    assert main(["train", str(make_config("a.json", output_dir=str(tmp_path / "a"), **common))]) == 0
+    assert (
+        main(["train", str(make_config("a.json", output_dir=str(tmp_path / "a"), **common))]) == 0
+    )
     b = make_config("b.json", output_dir=str(tmp_path / "b"), **common)
     assert main(["train", str(b), "-s", "max_train_steps=10"]) == 0
     assert main(["train", str(b), "--resume", "latest"]) == 0
@@ -155,7 +161,9 @@ def test_resume_refuses_changed_batch_size(tmp_path, make_config):
 
 
 def test_checkpoint_limit_keeps_newest(tmp_path, make_config):
-    cfg = load_config(make_config(max_train_steps=6, checkpointing_steps=1, checkpoints_total_limit=2))
+    cfg = load_config(
+        make_config(max_train_steps=6, checkpointing_steps=1, checkpoints_total_limit=2)
+    )
     train(cfg)
     names = [p.name for p in ckpt.list_checkpoints(tmp_path / "run")]
     assert names == ["step-000005", "step-000006"]
