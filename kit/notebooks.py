@@ -43,6 +43,11 @@ def run_notebooks(
     if not names:
         raise KitError(f"--only {only} matches none of {', '.join(NOTEBOOKS)}")
     src = notebook_dir()
+    # Each notebook gets the parameters it declares; a name no notebook declares is a typo.
+    declared = {n: set(pm.inspect_notebook(str(src / f"{n}.ipynb"))) for n in names}
+    unknown = sorted(set(params) - {"output_dir", "headless"} - set().union(*declared.values()))
+    if unknown:
+        raise KitError(f"no notebook has the parameter(s) {', '.join(unknown)}")
     done = []
     for name in names:
         target = out / "notebooks" / f"{name}.ipynb"
@@ -51,7 +56,7 @@ def run_notebooks(
             pm.execute_notebook(
                 str(src / f"{name}.ipynb"),
                 str(target),
-                parameters=params,
+                parameters={k: v for k, v in params.items() if k in declared[name]},
                 cwd=str(src),
                 kernel_name="python3",
                 progress_bar=False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -69,3 +70,21 @@ def test_unknown_notebook_selection(tmp_path):
 
     with pytest.raises(KitError, match="matches none"):
         run_notebooks(tmp_path, only=["99"])
+
+
+def test_each_notebook_gets_only_its_parameters_and_typos_are_refused(tmp_path, monkeypatch):
+    import papermill as pm
+
+    from kit.errors import KitError
+
+    seen = {}
+    monkeypatch.setattr(
+        pm, "execute_notebook", lambda src, dst, parameters, **kw: seen.update({src: parameters})
+    )
+    run_notebooks(tmp_path, {"max_train_steps": 3}, only=["00", "04"])
+    by_name = {Path(k).stem: v for k, v in seen.items()}
+    assert "max_train_steps" in by_name["04_train"] and by_name["04_train"]["headless"] is True
+    assert "max_train_steps" not in by_name["00_environment"]
+    assert "headless" not in by_name["00_environment"]
+    with pytest.raises(KitError, match="max_train_step\\b"):
+        run_notebooks(tmp_path, {"max_train_step": 3}, only=["04"])
