@@ -143,6 +143,47 @@ class Family(ABC):
         Only the `parts` named (of `PARTS`) are loaded; the others are None (or no encoders).
         """
 
+    def load_parts(
+        self,
+        pretrained: str,
+        parts: tuple[str, ...],
+        *,
+        revision: str | None,
+        variant: str | None,
+        dtype: torch.dtype,
+        denoiser: tuple[Any, str],
+        vae: tuple[Any, str],
+        encoders: list[tuple[Any, str]],
+        tokenizers: list[Any],
+        scheduler: Any,
+    ) -> Components:
+        """Components with only `parts` loaded, each frozen; what `load` does in every family.
+
+        `denoiser`, `vae` and each of `encoders` are (class, subfolder): diffusers classes take
+        the dtype as `torch_dtype`, transformers classes as `dtype`.
+        """
+
+        def one(spec: tuple[Any, str]) -> Any:
+            cls, subfolder = spec
+            key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
+            return cls.from_pretrained(
+                pretrained, subfolder=subfolder, revision=revision, variant=variant, **{key: dtype}
+            )
+
+        text = [one(e) for e in encoders] if "text_encoders" in parts else []
+        model = one(denoiser) if "denoiser" in parts else None
+        autoencoder = one(vae) if "vae" in parts else None
+        frozen(*text, autoencoder, model)
+        return Components(
+            model,
+            autoencoder,
+            text,
+            tokenizers,
+            scheduler,
+            pretrained,
+            self.identity(pretrained, revision),
+        )
+
     def identity(self, pretrained: str, revision: str | None = None) -> dict[str, str]:
         """Fingerprints that key the caches, read from configs without loading any weights.
 

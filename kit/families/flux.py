@@ -22,7 +22,6 @@ from kit.families.base import (
     Family,
     NoiseDraw,
     flow_noise_and_target,
-    frozen,
 )
 
 if TYPE_CHECKING:
@@ -97,33 +96,19 @@ class Flux(Family):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5EncoderModel
 
-        kw: dict[str, Any] = {"revision": revision}
-        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
-        tokenizers = self._tokenizers(pretrained, revision)
-        encoders, vae, transformer = [], None, None
-        if "text_encoders" in parts:
-            encoders = [
-                CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw),
-                T5EncoderModel.from_pretrained(pretrained, subfolder="text_encoder_2", **wkw),
-            ]
-        if "vae" in parts:
-            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        if "denoiser" in parts:
-            transformer = FluxTransformer2DModel.from_pretrained(
-                pretrained, subfolder="transformer", **wkw
-            )
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            pretrained, subfolder="scheduler", **kw
-        )
-        frozen(*encoders, vae, transformer)
-        return Components(
-            transformer,
-            vae,
-            encoders,
-            list(tokenizers.values()),
-            scheduler,
+        return self.load_parts(
             pretrained,
-            self.identity(pretrained, revision),
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(FluxTransformer2DModel, "transformer"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=[(CLIPTextModel, "text_encoder"), (T5EncoderModel, "text_encoder_2")],
+            tokenizers=list(self._tokenizers(pretrained, revision).values()),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+                pretrained, subfolder="scheduler", revision=revision
+            ),
         )
 
     def load_tokenizers(self, pretrained):

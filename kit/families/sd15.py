@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kit.families import register
-from kit.families.base import PARTS, Components, Family, frozen, saved_scheduler
+from kit.families.base import PARTS, Components, Family, saved_scheduler
 
 
 @register
@@ -29,28 +28,23 @@ class SD15(Family):
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
-        kw: dict[str, Any] = {"revision": revision}
-        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
-        tokenizer = CLIPTokenizer.from_pretrained(pretrained, subfolder="tokenizer", **kw)
-        text_encoder = vae = unet = None
-        if "text_encoders" in parts:
-            text_encoder = CLIPTextModel.from_pretrained(
-                pretrained, subfolder="text_encoder", **wkw
-            )
-        if "vae" in parts:
-            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        if "denoiser" in parts:
-            unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
-        scheduler = DDPMScheduler.from_pretrained(pretrained, subfolder="scheduler", **kw)
-        frozen(text_encoder, vae, unet)
-        return Components(
-            unet,
-            vae,
-            [text_encoder] if text_encoder is not None else [],
-            [tokenizer],
-            scheduler,
+        tokenizer = CLIPTokenizer.from_pretrained(
+            pretrained, subfolder="tokenizer", revision=revision
+        )
+        scheduler = DDPMScheduler.from_pretrained(
+            pretrained, subfolder="scheduler", revision=revision
+        )
+        return self.load_parts(
             pretrained,
-            self.identity(pretrained, revision),
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(UNet2DConditionModel, "unet"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=[(CLIPTextModel, "text_encoder")],
+            tokenizers=[tokenizer],
+            scheduler=scheduler,
         )
 
     def encode_text(self, comps, captions):

@@ -15,7 +15,6 @@ from kit.families.base import (
     Family,
     NoiseDraw,
     flow_noise_and_target,
-    frozen,
     part_config,
 )
 
@@ -82,37 +81,22 @@ class SD3(Family):
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-        kw: dict[str, Any] = {"revision": revision}
-        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
-        tokenizers = self._tokenizers(pretrained, revision)
-        encoders, vae, transformer = [], None, None
-        if "text_encoders" in parts:
-            encoders = [
-                CLIPTextModelWithProjection.from_pretrained(pretrained, subfolder=name, **wkw)
-                for name in CLIP_ENCODERS
-            ]
-            if self.use_t5:
-                encoders.append(
-                    T5EncoderModel.from_pretrained(pretrained, subfolder=T5_ENCODER, **wkw)
-                )
-        if "vae" in parts:
-            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        if "denoiser" in parts:
-            transformer = SD3Transformer2DModel.from_pretrained(
-                pretrained, subfolder="transformer", **wkw
-            )
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            pretrained, subfolder="scheduler", **kw
-        )
-        frozen(*encoders, vae, transformer)
-        return Components(
-            transformer,
-            vae,
-            encoders,
-            list(tokenizers.values()),
-            scheduler,
+        encoders = [(CLIPTextModelWithProjection, name) for name in CLIP_ENCODERS]
+        if self.use_t5:
+            encoders.append((T5EncoderModel, T5_ENCODER))
+        return self.load_parts(
             pretrained,
-            self.identity(pretrained, revision),
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(SD3Transformer2DModel, "transformer"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=encoders,
+            tokenizers=list(self._tokenizers(pretrained, revision).values()),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+                pretrained, subfolder="scheduler", revision=revision
+            ),
         )
 
     def load_tokenizers(self, pretrained):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import PARTS, Components, Family, frozen, saved_scheduler
+from kit.families.base import PARTS, Components, Family, saved_scheduler
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
@@ -37,26 +37,25 @@ class SDXL(Family):
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-        kw: dict[str, Any] = {"revision": revision}
-        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
-        tokenizers = list(self._tokenizers(pretrained, revision).values())
-        encoders, vae, unet = [], None, None
-        if "text_encoders" in parts:
-            encoders = [
-                CLIPTextModel.from_pretrained(pretrained, subfolder="text_encoder", **wkw),
-                CLIPTextModelWithProjection.from_pretrained(
-                    pretrained, subfolder="text_encoder_2", **wkw
-                ),
-            ]
-        if "vae" in parts:
-            vae = AutoencoderKL.from_pretrained(pretrained, subfolder="vae", **wkw)
-        if "denoiser" in parts:
-            unet = UNet2DConditionModel.from_pretrained(pretrained, subfolder="unet", **wkw)
         # Training noise comes from a DDPM schedule built from the sampler's config.
-        scheduler = DDPMScheduler.from_pretrained(pretrained, subfolder="scheduler", **kw)
-        frozen(*encoders, vae, unet)
-        identity = self.identity(pretrained, revision)
-        return Components(unet, vae, encoders, tokenizers, scheduler, pretrained, identity)
+        scheduler = DDPMScheduler.from_pretrained(
+            pretrained, subfolder="scheduler", revision=revision
+        )
+        return self.load_parts(
+            pretrained,
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(UNet2DConditionModel, "unet"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=[
+                (CLIPTextModel, "text_encoder"),
+                (CLIPTextModelWithProjection, "text_encoder_2"),
+            ],
+            tokenizers=list(self._tokenizers(pretrained, revision).values()),
+            scheduler=scheduler,
+        )
 
     def load_tokenizers(self, pretrained):
         return self._tokenizers(pretrained)

@@ -20,7 +20,6 @@ from kit.families.base import (
     Family,
     NoiseDraw,
     flow_noise_and_target,
-    frozen,
     saved_scheduler,
 )
 
@@ -64,29 +63,17 @@ class Wan(Family):
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
-        kw: dict[str, Any] = {"revision": revision}
-        tokenizer = self._tokenizer(pretrained, revision)
-        text_encoder = vae = transformer = None
-        if "text_encoders" in parts:
-            text_encoder = UMT5EncoderModel.from_pretrained(
-                pretrained, subfolder="text_encoder", variant=variant, dtype=dtype, **kw
-            )
-        wkw = {**kw, "variant": variant, "torch_dtype": dtype}
-        if "vae" in parts:
-            vae = AutoencoderKLWan.from_pretrained(pretrained, subfolder="vae", **wkw)
-        if "denoiser" in parts:
-            transformer = WanTransformer3DModel.from_pretrained(
-                pretrained, subfolder="transformer", **wkw
-            )
-        frozen(text_encoder, vae, transformer)
-        return Components(
-            transformer,
-            vae,
-            [text_encoder] if text_encoder is not None else [],
-            [tokenizer],
-            self._training_scheduler(pretrained, revision),
+        return self.load_parts(
             pretrained,
-            self.identity(pretrained, revision),
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(WanTransformer3DModel, "transformer"),
+            vae=(AutoencoderKLWan, "vae"),
+            encoders=[(UMT5EncoderModel, "text_encoder")],
+            tokenizers=[self._tokenizer(pretrained, revision)],
+            scheduler=self._training_scheduler(pretrained, revision),
         )
 
     def load_tokenizers(self, pretrained):
