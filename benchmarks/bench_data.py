@@ -62,11 +62,12 @@ def headers_only(folder: Path) -> int:
 
 
 def cache_build(resolution: int = 128) -> dict[str, float]:
-    """Images/s of `kit.data.build_cache` (cold, then warm) and of a plain encode-only loop."""
+    """Images/s of `kit.cache.build_cache` (cold, then warm) and of a plain encode-only loop."""
     import torch
 
+    from kit.cache import build_cache
     from kit.config import from_dict
-    from kit.data import build_cache, load_pixels, plan_dataset
+    from kit.data import load_pixels, plan_dataset
     from kit.families import get_family
 
     root = Path(__file__).resolve().parent.parent

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from kit.cache import build_cache
 from kit.config import from_dict
-from kit.data import build_cache, epoch_batches, load_pixels
+from kit.data import epoch_batches, load_pixels
 from kit.families import get_family
 from kit.logs import quiet_libraries
 from kit.network import attach, trainable_parameters

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from kit import checkpoint as ckpt
+from kit.cache import CachedDataset, fill_cache, plan_cache
 from kit.config import Config
-from kit.data import CachedDataset, check_dataset, epoch_batches, fill_cache, plan_cache
+from kit.data import check_dataset, epoch_batches
 from kit.errors import KitError
 from kit.families import Components, Family, get_family
 from kit.families.base import PARTS

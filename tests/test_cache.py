@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
+from kit.cache import build_cache, plan_cache
 from kit.config import load_config
-from kit.data import build_cache, plan_cache
 
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200)]
 CAPTIONS = [

@@ -11,13 +11,13 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 
+from kit.cache import build_cache
 from kit.config import DataConfig, load_config
 from kit.data import (
     BucketPlan,
     Placement,
     Sample,
     assign_bucket,
-    build_cache,
     epoch_batches,
     image_size,
     load_pixels,

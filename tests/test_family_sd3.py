@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kit.cache import build_cache
 from kit.config import load_config
-from kit.data import build_cache
 from kit.export import export
 from kit.families import get_family
 from kit.train import load_base, train

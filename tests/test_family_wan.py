@@ -12,11 +12,10 @@ import torch
 from PIL import Image
 
 from kit import video
+from kit.cache import build_cache, file_digest
 from kit.config import Config, DataConfig
 from kit.data import (
-    build_cache,
     epoch_batches,
-    file_digest,
     load_pixels,
     load_samples,
     place,

@@ -253,7 +253,7 @@ def test_stable_and_validation_loss(tmp_path, make_config, dataset):
 
 
 def test_fixed_loss_is_deterministic(make_config, tiny_sd15):
-    from kit.data import build_cache
+    from kit.cache import build_cache
     from kit.objective import FixedLoss
     from kit.train import load_base
 
