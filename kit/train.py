@@ -167,10 +167,10 @@ def train(
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     _refuse_mixed_runs(run, resume, overwrite)
-    # A dataset without one usable file fails here, before any download or deletion.
-    scanned = check_dataset(cfg.data, get_family(cfg.model.model_family, cfg))
-    # The cache is planned first: parts whose every entry is cached are never loaded.
     family = get_family(cfg.model.model_family, cfg)
+    # A dataset without one usable file fails here, before any download or deletion.
+    scanned = check_dataset(cfg.data, family)
+    # The cache is planned first: parts whose every entry is cached are never loaded.
     identity = family.identity(cfg.model.pretrained_model, cfg.model.revision)
     dropout = o.caption_dropout > 0  # only caption dropout needs the empty caption
     data = plan_cache(
