@@ -6,9 +6,10 @@ file, read top to bottom:
 1. Data. The toy world at 64x64 px has exactly 324 distinct scenes (6 colors x 3 shapes x 2 sizes
    x 3 backgrounds x 3 positions), so every image is rendered once and kept in memory.
 2. VAE (AutoencoderKL, 4x downscale, 4 latent channels) trained on reconstruction with a tiny KL
-   weight, the shape's pixels weighted above the background's. It also sees random polygons: a
-   codec should code any flat shape, so that a later fine-tune can teach a shape (the zorbstar)
-   that the denoiser has never drawn.
+   weight, the shape's pixels weighted above the background's. Half of each batch is random
+   polygons of random colors: a codec should code any flat shape in any color, so that a later
+   fine-tune can teach a color (the pink `zorbic`) that the denoiser has never drawn. Trained on
+   the six toy colors alone, it decoded every other color as the nearest of them.
 3. Text encoder (a 2-layer CLIP) and UNet trained together from scratch on the v objective
    with the original DDPM noise schedule (linear betas: almost no signal left at t = T, so a
    plain-white or plain-black image can be drawn from pure noise). Not epsilon: at high noise
@@ -17,14 +18,15 @@ file, read top to bottom:
    image there. 10% of captions are dropped to "" so classifier-free guidance works. An EMA of
    the weights is what gets saved.
 4. The VAE's decoder alone trains a little more on the frozen encoder's latents (the UNet's
-   latents stay valid), slightly noised so that it forgives the UNet's errors.
+   latents stay valid), slightly noised so that it forgives the UNet's errors; half of its batch
+   is random polygons too, so that it keeps every color.
 
 Single-threaded torch (`OMP_NUM_THREADS=1`) ran it fastest on a shared 2-core machine.
 
 The text encoder trains jointly rather than staying random: a random encoder mixes words through
 its causal attention, and the UNet then has to untangle them; training it lets each word's token
 carry its own meaning after a few minutes. Its token embeddings get no weight decay, so words the
-toy world never uses (such as the letters of `zorbstar`) keep the same scale as the rest.
+toy world never uses (such as the letters of `zorbic`) keep the same scale as the rest.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ RECIPE = {
     "vae_batch": 8,
     "vae_lr": 3e-3,
     "vae_kl_weight": 1e-6,
-    "unet_steps": 2000,
+    "vae_polygon_share": 0.5,
+    "unet_steps": 4000,
     "unet_batch": 24,
     "unet_lr": 1.5e-3,
     "warmup_steps": 50,
@@ -70,7 +73,8 @@ RECIPE = {
     "ema_decay": 0.995,
     "prediction_type": "v_prediction",
 }
-"""Every number that decides the result; `--vae-steps` and `--unet-steps` override the two counts."""
+"""Every number that decides the result; `--vae-steps`, `--unet-steps`, `--decoder-steps` override
+the step counts (for a quick try; the committed base uses these)."""
 
 
 def scenes() -> list[toyworld.Scene]:
@@ -94,7 +98,7 @@ def to_tensor(images: Sequence[Image.Image]) -> torch.Tensor:
 
 
 def random_polygon(rng: random.Random, size: int = SIZE) -> Image.Image:
-    """A random flat polygon of a palette color on a plain background (VAE training only)."""
+    """A random flat polygon of a random color on a plain background (VAE training only)."""
     k = 4
     bg = rng.choice(list(toyworld.BACKGROUNDS.values()))
     image = Image.new("RGB", (size * k, size * k), bg)
@@ -109,7 +113,8 @@ def random_polygon(rng: random.Random, size: int = SIZE) -> Image.Image:
         )
         for a in angles
     ]
-    ImageDraw.Draw(image).polygon(points, fill=rng.choice(list(toyworld.COLORS.values())))
+    fill = tuple(rng.randrange(256) for _ in range(3))
+    ImageDraw.Draw(image).polygon(points, fill=fill)
     return image.reduce(k)
 
 
@@ -202,21 +207,26 @@ def _weighted(recon: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (weight * err).mean() / weight.mean()
 
 
+def _polygons(rng: random.Random, n: int) -> torch.Tensor:
+    """n random polygons as a batch in [-1, 1]."""
+    return to_tensor([random_polygon(rng) for _ in range(n)])
+
+
 def train_vae(images: torch.Tensor, steps: int, seed: int, log=print):
-    """Reconstruction (weighted L1 + MSE) with a tiny KL term; a quarter of each batch is random polygons."""
+    """Reconstruction (weighted L1 + MSE) with a tiny KL term; part of each batch is random polygons."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
     vae = build_vae()
     opt = torch.optim.AdamW(vae.parameters(), lr=RECIPE["vae_lr"], weight_decay=0.0)
     batch = RECIPE["vae_batch"]
+    polygons = round(batch * RECIPE["vae_polygon_share"])
     g = torch.Generator().manual_seed(seed)
     start = time.time()
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, RECIPE["vae_lr"], 50)
-        idx = torch.randint(0, len(images), (batch - batch // 4,), generator=g)
-        extra = to_tensor([random_polygon(rng) for _ in range(batch // 4)])
-        x = torch.cat([images[idx], extra])
+        idx = torch.randint(0, len(images), (batch - polygons,), generator=g)
+        x = torch.cat([images[idx], _polygons(rng, polygons)])
         dist = vae.encode(x).latent_dist
         recon = vae.decode(dist.sample(generator=g)).sample
         kl = dist.kl().mean() / x[0].numel()
@@ -310,6 +320,7 @@ def finetune_decoder(vae, images: torch.Tensor, steps: int, seed: int, log=print
     """
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 2)
+    rng = random.Random(seed + 2)
     with torch.no_grad():
         latents = torch.cat([vae.encode(x).latent_dist.mean for x in images.split(64)])
     decoder = [vae.decoder, vae.post_quant_conv]
@@ -318,14 +329,18 @@ def finetune_decoder(vae, images: torch.Tensor, steps: int, seed: int, log=print
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=RECIPE["decoder_lr"], weight_decay=0.0)
     batch, start = RECIPE["vae_batch"] * 2, time.time()
+    polygons = round(batch * RECIPE["vae_polygon_share"])
     noise_scale = 0.05 * float(latents.std())
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, RECIPE["decoder_lr"], 20)
-        idx = torch.randint(0, len(images), (batch,), generator=g)
-        z = latents[idx] + noise_scale * torch.randn(latents[idx].shape, generator=g)
+        idx = torch.randint(0, len(images), (batch - polygons,), generator=g)
+        extra = _polygons(rng, polygons)
+        with torch.no_grad():
+            z = torch.cat([latents[idx], vae.encode(extra).latent_dist.mean])
+        z = z + noise_scale * torch.randn(z.shape, generator=g)
         recon = vae.decode(z).sample
-        loss = _weighted(recon, images[idx])
+        loss = _weighted(recon, torch.cat([images[idx], extra]))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -336,7 +351,11 @@ def finetune_decoder(vae, images: torch.Tensor, steps: int, seed: int, log=print
 
 
 def build(
-    out_dir: str | Path, seed: int = 0, vae_steps: int | None = None, unet_steps: int | None = None
+    out_dir: str | Path,
+    seed: int = 0,
+    vae_steps: int | None = None,
+    unet_steps: int | None = None,
+    decoder_steps: int | None = None,
 ) -> Path:
     """Train every part from scratch and save a StableDiffusionPipeline (safetensors) in out_dir."""
     import diffusers
@@ -347,6 +366,7 @@ def build(
 
     vae_steps = RECIPE["vae_steps"] if vae_steps is None else vae_steps
     unet_steps = RECIPE["unet_steps"] if unet_steps is None else unet_steps
+    decoder_steps = RECIPE["decoder_steps"] if decoder_steps is None else decoder_steps
     torch.manual_seed(seed)
     start = time.time()
     world = scenes()
@@ -357,7 +377,7 @@ def build(
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_tokenizer(Path(tmp))
     text_encoder, unet = train_denoiser(latents, captions, tokenizer, unet_steps, seed)
-    vae = finetune_decoder(vae, images, RECIPE["decoder_steps"], seed)
+    vae = finetune_decoder(vae, images, decoder_steps, seed)
     sampler = DDIMScheduler(
         num_train_timesteps=1000,
         clip_sample=False,
@@ -381,6 +401,7 @@ def build(
         "seed": seed,
         "vae_steps": vae_steps,
         "unet_steps": unet_steps,
+        "decoder_steps": decoder_steps,
         "image_size": SIZE,
         "noise_schedule": BETAS,
         "vae_minutes": round(vae_minutes, 1),
@@ -408,8 +429,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=RECIPE["seed"], help="random seed")
     parser.add_argument("--vae-steps", type=int, default=None, help="VAE steps (default: recipe)")
     parser.add_argument("--unet-steps", type=int, default=None, help="UNet steps (default: recipe)")
+    parser.add_argument(
+        "--decoder-steps", type=int, default=None, help="decoder steps (default: recipe)"
+    )
     args = parser.parse_args(argv)
-    build(args.out_dir, seed=args.seed, vae_steps=args.vae_steps, unet_steps=args.unet_steps)
+    build(
+        args.out_dir,
+        seed=args.seed,
+        vae_steps=args.vae_steps,
+        unet_steps=args.unet_steps,
+        decoder_steps=args.decoder_steps,
+    )
 
 
 if __name__ == "__main__":
