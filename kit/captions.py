@@ -18,7 +18,7 @@ from typing import Any
 
 from kit.augment import split_tags
 from kit.config import Config, DataConfig
-from kit.data import _caption_path, scan
+from kit.data import _caption_path, is_prior_image, scan
 from kit.errors import DataError, KitError
 from kit.io import atomic_dir, write_text, write_with
 
@@ -47,10 +47,13 @@ def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
     dup = [c for c, n in Counter(captions).items() if n > 1 and c]
     counts = Counter(w for c in captions for w in words(c))
     tags = Counter(" ".join(t.lower().split()) for c in captions for t in split_tags(c))
-    missing = {
-        t: [f for f, c in zip(files, captions, strict=True) if not has_word(c, t)]
-        for t in cfg.data.trigger_words
-    }
+    # Prior images show what must not change: they are meant to lack the trigger word.
+    concept = [
+        (f, c)
+        for f, c, s in zip(files, captions, rep.samples, strict=True)
+        if not is_prior_image(s.image, cfg.data.prior_images, cfg.data.image_dir)
+    ]
+    missing = {t: [f for f, c in concept if not has_word(c, t)] for t in cfg.data.trigger_words}
     out: dict[str, Any] = {
         "images": len(rep.samples) + len(rep.dropped()),
         "captioned": len(rep.samples),
@@ -65,8 +68,9 @@ def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
         "top_words": counts.most_common(40),
         "top_tags": tags.most_common(40),
         "tagged_captions": sum("," in c for c in captions),
+        "prior_images": len(captions) - len(concept),
         "trigger_coverage": {
-            t: 1 - len(m) / len(captions) if captions else 0.0 for t, m in missing.items()
+            t: 1 - len(m) / len(concept) if concept else 0.0 for t, m in missing.items()
         },
         "trigger_missing": missing,
         "samples": [{"image": str(s.image), "caption": s.caption} for s in rep.samples],

@@ -62,6 +62,9 @@ class DataConfig:
     """Caption for every image when `caption_strategy` is `instanceprompt`."""
     trigger_words: list[str] = field(default_factory=list)
     """Words that call up the trained concept; written into the exported file's metadata."""
+    prior_images: list[str] = field(default_factory=list)
+    """Patterns (e.g. `prior_*`, `reg/*`) of images that show what must not change; they train
+    with the rest, and the trigger-word checks skip them. A pattern without `/` matches file names."""
     resolution: int = 512
     """Target size: the bucket area is resolution² (`area`) or the short side (`pixel`)."""
     resolution_type: Literal["area", "pixel"] = "area"
@@ -144,6 +147,8 @@ class DataConfig:
             raise ConfigError(f"caption_variants: {self.caption_variants} must be at least 1")
         if any(not t.strip() for t in self.priority_tags):
             raise ConfigError(f"priority_tags: {self.priority_tags} holds an empty tag")
+        if any(not isinstance(t, str) or not t.strip() for t in self.prior_images):
+            raise ConfigError(f"prior_images: {self.prior_images} holds an empty pattern")
         for b in self.buckets:
             if not (
                 isinstance(b, list | tuple)

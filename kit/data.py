@@ -179,6 +179,24 @@ def _clips_of(tree: _Tree) -> list[Path]:
     )
 
 
+def is_prior_image(image: str | Path, patterns: list[str], image_dir: str | Path = "") -> bool:
+    """Whether an image is one of `prior_images`: a pattern with `/` matches the path relative to
+    image_dir, one without matches the file name."""
+    from fnmatch import fnmatchcase
+
+    if not patterns:
+        return False
+    path = Path(image)
+    try:
+        rel = path.resolve().relative_to(Path(image_dir).resolve()).as_posix() if image_dir else ""
+    except ValueError:
+        rel = ""
+    return any(
+        fnmatchcase(rel or path.as_posix(), p) if "/" in p else fnmatchcase(path.name, p)
+        for p in patterns
+    )
+
+
 def list_images(image_dir: Path) -> list[Path]:
     """Image files under a folder (recursively, skipping hidden folders), sorted."""
     return _images_of(_walk(Path(image_dir)))

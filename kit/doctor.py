@@ -688,17 +688,25 @@ def _has_word(caption: str, word: str) -> bool:
 @_check
 def trigger_missing(run: _Run) -> Iterator[Finding]:
     """Trigger words absent from many captions."""
-    caps = run.captions
-    if not caps:
+    from kit.data import is_prior_image
+
+    patterns = run.flat.get("prior_images") or []
+    image_dir = run.flat.get("image_dir") or ""
+    rows = [
+        (c, r)
+        for c, r in zip(run.captions, run.manifest, strict=True)
+        if not is_prior_image(str(r.get("image")), patterns, image_dir)
+    ]
+    if not rows:
         return
     for word in run.triggers:
-        missing = [r for c, r in zip(caps, run.manifest, strict=True) if not _has_word(c, word)]
+        missing = [r for c, r in rows if not _has_word(c, word)]
         if missing:
-            share = len(missing) / len(caps)
+            share = len(missing) / len(rows)
             yield Finding(
                 "trigger_missing",
                 "warning" if share > 0.2 else "info",
-                f"the trigger word '{word}' is missing from {len(missing)} of {len(caps)} captions",
+                f"the trigger word '{word}' is missing from {len(missing)} of {len(rows)} captions",
                 [f"e.g. {', '.join(Path(str(r.get('image'))).name for r in missing[:3])}"],
                 f"add '{word}' to those captions (kit captions CONFIG lists them), or remove it "
                 "from trigger_words",

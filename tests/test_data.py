@@ -195,8 +195,8 @@ def test_captions_in_a_separate_folder(dataset, tmp_path):
     # A subfolder of images keeps its captions in the same subfolder of caption_dir.
     (dataset / "more").mkdir()
     (captions / "more").mkdir()
-    shutil.move(dataset / "zorbstar_000.png", dataset / "more" / "zorbstar_000.png")
-    shutil.move(captions / "zorbstar_000.txt", captions / "more" / "zorbstar_000.txt")
+    shutil.move(dataset / "zorbic_000.png", dataset / "more" / "zorbic_000.png")
+    shutil.move(captions / "zorbic_000.txt", captions / "more" / "zorbic_000.txt")
 
     cfg = DataConfig(image_dir=str(dataset), caption_dir=str(captions))
     assert captions_of(load_samples(cfg)) == beside
@@ -285,7 +285,7 @@ def test_cache_is_written_and_reused(base):
 def test_changed_image_is_encoded_again(base, dataset):
     cfg, family, comps = base
     first = build_cache(cfg, family, comps)
-    target = dataset / "zorbstar_005.png"
+    target = dataset / "zorbic_005.png"
     im = Image.open(target).convert("RGB")
     im.putpixel((0, 0), (1, 2, 3) if im.getpixel((0, 0)) != (1, 2, 3) else (4, 5, 6))
     im.save(target)
@@ -299,7 +299,7 @@ def test_changed_image_is_encoded_again(base, dataset):
         for s, a, b in zip(again.samples, first.latent_files, again.latent_files, strict=True)
         if a != b
     ]
-    assert changed == ["zorbstar_005.png"]
+    assert changed == ["zorbic_005.png"]
 
 
 def test_changed_resolution_is_encoded_again(base):
@@ -310,3 +310,19 @@ def test_changed_resolution_is_encoded_again(base):
     assert bigger.stats["latents_reused"] == 0
     assert bigger.stats["text_encoded"] == 0  # captions did not change
     assert not set(bigger.latent_files) & set(first.latent_files)
+
+
+def test_prior_image_patterns(tmp_path):
+    from kit.config import DataConfig
+    from kit.data import is_prior_image
+    from kit.errors import ConfigError
+
+    root = tmp_path / "data"
+    assert is_prior_image(root / "prior_003.png", ["prior_*"], root)
+    assert is_prior_image(root / "sub" / "prior_003.png", ["prior_*"], root)  # names match anywhere
+    assert not is_prior_image(root / "zorbic_003.png", ["prior_*"], root)
+    assert is_prior_image(root / "reg" / "a.png", ["reg/*"], root)
+    assert not is_prior_image(root / "more" / "reg" / "a.png", ["reg/*"], root)
+    assert not is_prior_image(root / "prior_003.png", [], root)
+    with pytest.raises(ConfigError, match="prior_images"):
+        DataConfig(prior_images=["prior_*", " "])

@@ -263,6 +263,31 @@ def test_identical_captions_and_missing_trigger(tmp_path):
     assert "0.png" in missing.evidence[0]
 
 
+def test_prior_images_need_no_trigger(tmp_path):
+    manifest = [
+        {
+            "image": f"/data/z{i}.png",
+            "sha256": f"z{i}",
+            "caption": f"zorbic {i}",
+            "bucket": [64, 64],
+        }
+        for i in range(4)
+    ]
+    manifest += [
+        {"image": f"/data/reg/{i}.png", "sha256": str(i), "caption": f"red {i}", "bucket": [64, 64]}
+        for i in range(4)
+    ]
+    common = {"manifest": manifest, "trigger_words": ["zorbic"], "max_train_steps": 5}
+    run = make_run(tmp_path / "a", steady_rows(5), **common)
+    assert "missing from 4 of 8" in next(
+        f.title for f in doctor.diagnose(run) if f.code == "trigger_missing"
+    )
+    run = make_run(
+        tmp_path / "b", steady_rows(5), image_dir="/data", prior_images=["reg/*"], **common
+    )
+    assert not [f for f in doctor.diagnose(run) if f.code == "trigger_missing"]
+
+
 def test_truncated_captions(tmp_path, tiny_sd15):
     long = "a zorbstar " + " ".join(f"word{i}" for i in range(120))
     manifest = [
