@@ -35,12 +35,12 @@ chromium:
 		echo "chromium could not be installed; the browser test will be skipped"
 
 test: $(STAMP) chromium
-	$(BIN)/ruff check kit tests benchmarks
+	$(BIN)/ruff check kit tests benchmarks scripts
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check kit tests benchmarks
-	$(BIN)/ruff format --check kit tests benchmarks
+	$(BIN)/ruff check kit tests benchmarks scripts
+	$(BIN)/ruff format --check kit tests benchmarks scripts
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_train.py

@@ -30,7 +30,7 @@ from kit.logs import quiet_libraries
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "datasets_example" / "images"
-PROMPT = "a large red zorbstar on a white background, in the center"
+PROMPT = "a large zorbic circle on a white background, in the center"
 
 # The fixed setting both loops share.
 BATCH, RANK, LR, SEED, SAMPLE_STEPS = 2, 4, 1e-4, 0, 2

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from kit.errors import KitError
@@ -253,6 +254,42 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
     params = {name: _literal(value) for name, value in args.param or []}
     for path in run_notebooks(args.out_dir, params, only=args.only):
         print(f"executed {path}")
+    report = Path(params.get("output_dir") or Path(args.out_dir) / "run") / "learning_report.json"
+    if report.is_file():
+        _print_learning(json.loads(report.read_text()), report)
+    return 0
+
+
+def _print_learning(report: dict, path: Path) -> None:
+    from kit.learning import format_table
+
+    s = report["summary"]
+    print(f"\nWhat the fine-tune learned ({report['seeds']} images per group and adapter; {path}):")
+    print(format_table(report))
+    print(
+        f"concept on trigger prompts: {s['concept_rate_before']:.0%} before, "
+        f"{s['concept_rate_after']:.0%} after; unrelated prompts: "
+        f"{s['unrelated_accuracy_before']:.0%} before, {s['unrelated_accuracy_after']:.0%} after "
+        f"({s['unrelated_drop_points']:+.1f} points drop)"
+    )
+
+
+def cmd_learning(args: argparse.Namespace) -> int:
+    from kit.learning import learning_report
+
+    path = Path(args.run_dir) / "learning_report.json"
+    if args.show:
+        if not path.is_file():
+            raise KitError(f"{path} not found; run `kit learning {args.run_dir}` first")
+        report = json.loads(path.read_text())
+    else:
+        report = learning_report(
+            args.run_dir, seeds=args.seeds, checkpoint=args.checkpoint, per_group=args.prompts
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_learning(report, path)
     return 0
 
 
@@ -469,6 +506,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mixed-precision", help="no, fp16 or bf16; default: the kit config's")
     sp.add_argument("--out", required=True, metavar="OUT.yaml")
     sp.set_defaults(func=cmd_accelerate_config)
+
+    sp = sub.add_parser(
+        "learning", help="what a toy-world fine-tune learned: three prompt groups, judged"
+    )
+    sp.add_argument("run_dir")
+    sp.add_argument("--seeds", type=int, default=32, help="images per group and adapter scale")
+    sp.add_argument("--prompts", type=int, default=8, help="prompts per group")
+    sp.add_argument("--checkpoint", help="a checkpoint folder (default: the latest)")
+    sp.add_argument("--show", action="store_true", help="print the saved report, draw nothing")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_learning)
 
     sp = sub.add_parser("notebooks", help="execute the seven notebooks headlessly (papermill)")
     sp.add_argument("out_dir")

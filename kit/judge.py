@@ -106,9 +106,10 @@ def _foreground(rgb: np.ndarray, background: np.ndarray) -> tuple[np.ndarray, np
 def judge(image: Image.Image | np.ndarray) -> dict[str, Any]:
     """The toy-world attributes an image shows, with a confidence in [0, 1] for its shape.
 
-    Returns background, color, shape, size and position (names from `kit.toyworld`; shape may be
-    a concept shape such as `zorbstar`, or None for a blob like no shape), plus `confidence` and
-    `found` (False when nothing stands out from the background; then only `background` counts).
+    Returns background, color, shape, size and position (names from `kit.toyworld`; color and
+    shape may be concepts such as `zorbic` and `zorbstar`, shape None for a blob like no shape),
+    plus `confidence` and `found` (False when nothing stands out from the background; then only
+    `background` counts).
     """
     rgb = _rgb(image)
     h, w = rgb.shape[:2]
@@ -127,7 +128,7 @@ def judge(image: Image.Image | np.ndarray) -> dict[str, Any]:
             "confidence": 0.0,
             "found": False,
         }
-    color, _ = _nearest(fg_color, toyworld.COLORS)
+    color, _ = _nearest(fg_color, {**toyworld.COLORS, **toyworld.CONCEPT_COLORS})
     feats = _features(mask)
     dists = sorted((float(np.linalg.norm(feats - p)), name) for name, p in _prototypes().items())
     (d1, shape), (d2, _) = dists[0], dists[1]

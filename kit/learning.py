@@ -21,7 +21,7 @@ from kit.judge import score
 GROUPS = ("memorization", "generalization", "unrelated")
 """The prompt groups, in the order they are drawn and shown."""
 _CAPTION = re.compile(
-    r"^a (?P<size>\w+) (?P<color>\w+) (?P<shape>\w+) on a (?P<background>\w+) background, "
+    r"^a (?P<size>\w+) (?P<color>\S+) (?P<shape>\S+) on a (?P<background>\w+) background, "
     r"(?:on the|in the) (?P<position>\w+)$"
 )
 
@@ -32,15 +32,37 @@ def parse_caption(text: str) -> dict[str, str] | None:
     return m.groupdict() if m else None
 
 
+def concept_of(captions: list[str], trigger: str) -> tuple[str, str]:
+    """The slot the trigger word fills in toy captions ("color" or "shape") and the judge's name for it.
+
+    A trigger that is itself a toy-world concept (`zorbic`, `zorbstar`) names that concept; any
+    other trigger (such as a textual-inversion token) stands for the first concept of its slot.
+    """
+    slots = {"color": tuple(toyworld.CONCEPT_COLORS), "shape": toyworld.CONCEPT_SHAPES}
+    for slot, names in slots.items():
+        if trigger in names:
+            return slot, trigger
+    for text in captions:
+        scene = parse_caption(text) or {}
+        for slot, names in slots.items():
+            if scene.get(slot) == trigger:
+                return slot, names[0]
+    return "color", slots["color"][0]
+
+
 def prompt_groups(
-    captions: list[str], trigger: str = toyworld.TRIGGER_WORD, per_group: int = 4, seed: int = 0
+    captions: list[str], trigger: str = toyworld.TRIGGER_WORD, per_group: int = 8, seed: int = 0
 ) -> dict[str, list[str]]:
     """Prompts of the three groups: training captions, new trigger contexts, unrelated base prompts."""
     seen = list(dict.fromkeys(c.strip() for c in captions if parse_caption(c)))
-    memorization = seen[:per_group]
+    # Only captions with the trigger: a dataset may also hold images of what must not change.
+    memorization = [c for c in seen if trigger in c.split(" ")][:per_group]
+    slot, concept = concept_of(seen, trigger)
     fresh = []
-    for s in toyworld.sample_scenes(64, seed + 1000, shapes=toyworld.CONCEPT_SHAPES):
-        text = toyworld.caption(s).replace(toyworld.TRIGGER_WORD, trigger)
+    for s in toyworld.sample_scenes(64, seed + 1000, **{f"{slot}s": (concept,)}):
+        # Whole words only, so the concept's name never matches inside another word.
+        words = toyworld.caption(s).split(" ")
+        text = " ".join(trigger if w == concept else w for w in words)
         if text not in seen and text not in fresh:
             fresh.append(text)
     unrelated = [toyworld.caption(s) for s in toyworld.sample_scenes(per_group, seed + 2000)]
@@ -51,19 +73,19 @@ def prompt_groups(
     }
 
 
-def _scores(images: list[Any], prompts: list[str], trigger: str) -> dict[str, Any]:
-    """Judge accuracy against each prompt's scene, and how often the concept shape appears."""
+def _scores(
+    images: list[Any], prompts: list[str], trigger: str, slot: str, concept: str
+) -> dict[str, Any]:
+    """Judge accuracy against each prompt's scene, and how often the concept appears."""
     expected = []
     for p in prompts:
         scene = parse_caption(p) or {}
-        if scene.get("shape") == trigger:
-            scene["shape"] = toyworld.CONCEPT_SHAPES[0]
+        if scene.get(slot) == trigger:
+            scene[slot] = concept  # the trigger word asks for the concept, whatever the word is
         expected.append(scene)
     result = score(images, expected)
     verdicts = result.pop("verdicts")
-    result["concept_rate"] = sum(v["shape"] in toyworld.CONCEPT_SHAPES for v in verdicts) / len(
-        verdicts
-    )
+    result["concept_rate"] = sum(v[slot] == concept for v in verdicts) / len(verdicts)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
 
 
@@ -71,7 +93,7 @@ def learning_report(
     run_dir: str | Path,
     seeds: int = 32,
     checkpoint: str | Path | None = None,
-    per_group: int = 4,
+    per_group: int = 8,
 ) -> dict[str, Any]:
     """Draw the three groups at adapter scale 0 and 1, score them, write `learning_report.json`.
 
@@ -85,11 +107,22 @@ def learning_report(
     trigger = (cfg.data.trigger_words or [toyworld.TRIGGER_WORD])[0]
     captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
     groups = prompt_groups(captions, trigger, per_group)
+    slot, concept = concept_of(captions, trigger)
     v = cfg.validation
     side = v.validation_resolution or cfg.data.resolution
     cols = max(1, seeds // per_group)
-    report: dict[str, Any] = {"checkpoint": str(source), "seeds": cols * per_group, "groups": {}}
+    report: dict[str, Any] = {
+        "checkpoint": str(source),
+        "seeds": cols * per_group,
+        "trigger": trigger,
+        "concept": {slot: concept},
+        "groups": {},
+    }
     for name, prompts in groups.items():
+        if not prompts:
+            # e.g. memorization when no training caption follows the grammar with the trigger
+            report.setdefault("skipped", {})[name] = f"no toy-world caption with '{trigger}'"
+            continue
         entry: dict[str, Any] = {"prompts": prompts}
         for label, scale in (("before", 0.0), ("after", 1.0)):
             specs = [
@@ -113,7 +146,7 @@ def learning_report(
             images = [
                 _load(out / f"{i // cols:02d}_seed{spec.seed}.png") for i, spec in enumerate(specs)
             ]
-            entry[label] = _scores(images, [s.prompt for s in specs], trigger)
+            entry[label] = _scores(images, [s.prompt for s in specs], trigger, slot, concept)
             entry[f"{label}_grid"] = str(grid)
         report["groups"][name] = entry
     report["summary"] = summary(report)

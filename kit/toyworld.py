@@ -27,11 +27,21 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "gray": (128, 128, 128),
 }
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-CONCEPT_SHAPES: tuple[str, ...] = ("zorbstar",)
 SIZES: tuple[str, ...] = ("small", "large")
 POSITIONS: tuple[str, ...] = ("left", "center", "right")
 
-TRIGGER_WORD = "zorbstar"
+# Concepts: drawn by the toy world and read by the judge, but never shown to the toy base model,
+# so a fine-tune has something new to teach. Each is named by its own trigger word.
+CONCEPT_COLORS: dict[str, tuple[int, int, int]] = {"zorbic": (245, 110, 185)}
+"""A pink, farther from every base color (the nearest, purple, is 116 apart) than yellow from orange (81)."""
+CONCEPT_SHAPES: tuple[str, ...] = ("zorbstar",)
+"""A five-pointed star. At 64 px the toy base's 4x VAE cannot hold a small star (see
+models/toy-sd15/RECIPE.md), so the example dataset teaches the color; the star is for larger bases."""
+
+TRIGGER_WORD = "zorbic"
+"""The concept of the example dataset and clips."""
+CONCEPT_SIZE: tuple[int, int] = (128, 128)
+"""The example dataset's concept images are square, like everything the toy base ever drew."""
 EXAMPLE_SIZES: tuple[tuple[int, int], ...] = (
     (128, 128),
     (192, 128),
@@ -39,6 +49,9 @@ EXAMPLE_SIZES: tuple[tuple[int, int], ...] = (
     (160, 128),
     (128, 160),
 )
+"""Sizes of the example dataset's prior images, in turn, so aspect bucketing has work to do."""
+PRIOR_PREFIX = "prior_"
+"""File-name prefix of the example dataset's prior images (see `write_example_dataset`)."""
 CLIP_SIZES: tuple[tuple[int, int], ...] = ((64, 64), (96, 64))
 DIRECTIONS: tuple[str, ...] = ("left", "right")
 
@@ -59,7 +72,7 @@ class Scene:
     position: str
 
     def __post_init__(self) -> None:
-        _check("color", self.color, tuple(COLORS))
+        _check("color", self.color, tuple(COLORS) + tuple(CONCEPT_COLORS))
         _check("shape", self.shape, SHAPES + CONCEPT_SHAPES)
         _check("size", self.size, SIZES)
         _check("background", self.background, tuple(BACKGROUNDS))
@@ -137,7 +150,7 @@ def render(
     draw = ImageDraw.Draw(image)
     box = box or shape_box(scene, width, height)
     left, top, right, bottom = (v * k for v in box)
-    fill = COLORS[scene.color]
+    fill = COLORS.get(scene.color) or CONCEPT_COLORS[scene.color]
     if scene.shape == "circle":
         draw.ellipse((left, top, right, bottom), fill=fill)
     elif scene.shape == "square":
@@ -209,40 +222,62 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _write_image(path: Path, scene: Scene, width: int, height: int) -> Path:
+    """Render a scene to a PNG with its caption in a same-stem .txt file, both atomically."""
+    buffer = io.BytesIO()
+    render(scene, width, height).save(buffer, format="PNG", optimize=True)
+    _write_atomic(path, buffer.getvalue())
+    _write_atomic(path.with_suffix(".txt"), (caption(scene) + "\n").encode())
+    return path
+
+
 def write_example_dataset(
-    out_dir: str | os.PathLike[str], n: int = 24, seed: int = 0
+    out_dir: str | os.PathLike[str],
+    n: int = 24,
+    seed: int = 0,
+    priors: int = 8,
+    sizes: Sequence[tuple[int, int]] = (CONCEPT_SIZE,),
 ) -> list[Path]:
-    """Write n zorbstar images (PNG) with same-stem .txt captions in mixed aspect ratios."""
+    """Write the example dataset: n images of the `zorbic` color and `priors` of the base world.
+
+    Each PNG has its caption in a same-stem .txt file. The concept images (`zorbic_000.png`, ...)
+    take `sizes` in turn (square by default). The prior images (`prior_000.png`, ...) show the base world's own colors, in
+    five aspect ratios: pictures of what must not change, trained alongside the concept (as in
+    DreamBooth's prior preservation), so that a fine-tune learns "zorbic is pink" rather than
+    "everything is a little pinker".
+    """
+    if n < 0 or priors < 0:
+        raise ValueError(f"n and priors must be >= 0, got {n} and {priors}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, scene in enumerate(sample_scenes(n, seed, shapes=CONCEPT_SHAPES)):
+    if not sizes:
+        raise ValueError("sizes must not be empty")
+    paths = [
+        _write_image(out / f"{TRIGGER_WORD}_{i:03d}.png", scene, *sizes[i % len(sizes)])
+        for i, scene in enumerate(sample_scenes(n, seed, colors=(TRIGGER_WORD,)))
+    ]
+    for i, scene in enumerate(sample_scenes(priors, seed + 1)):
         width, height = EXAMPLE_SIZES[i % len(EXAMPLE_SIZES)]
-        buffer = io.BytesIO()
-        render(scene, width, height).save(buffer, format="PNG", optimize=True)
-        image_path = out / f"{TRIGGER_WORD}_{i:03d}.png"
-        _write_atomic(image_path, buffer.getvalue())
-        _write_atomic(image_path.with_suffix(".txt"), (caption(scene) + "\n").encode())
-        paths.append(image_path)
+        paths.append(_write_image(out / f"{PRIOR_PREFIX}{i:03d}.png", scene, width, height))
     return paths
 
 
 def clip_caption(scene: Scene, direction: str) -> str:
-    """Exact caption of a clip, e.g. 'a small red zorbstar moving right on a black background'."""
+    """Exact caption of a clip, e.g. 'a small zorbic circle moving right on a black background'."""
     return f"a {scene.size} {scene.color} {scene.shape} moving {direction} on a {scene.background} background"
 
 
 def write_example_clips(
     out_dir: str | os.PathLike[str], n: int = 8, frames: int = 17, seed: int = 0
 ) -> list[Path]:
-    """Write n zorbstar clips crossing the frame, each a folder of PNG frames plus `<clip>.txt`."""
+    """Write n clips of `zorbic` shapes crossing the frame: folders of PNG frames plus `<clip>.txt`."""
     from kit.io import atomic_dir
 
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    scenes = sample_scenes(n, seed, shapes=CONCEPT_SHAPES)
+    scenes = sample_scenes(n, seed, colors=(TRIGGER_WORD,))
     directions = _balanced(DIRECTIONS, n, random.Random(f"{seed}-directions"))
     paths = []
     for i, (scene, direction) in enumerate(zip(scenes, directions, strict=True)):
@@ -266,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         prog="python -m kit.toyworld", description=write_example_dataset.__doc__
     )
     parser.add_argument("out_dir", help="folder for the images and captions")
-    parser.add_argument("--n", type=int, default=24, help="number of images")
+    parser.add_argument("--n", type=int, default=24, help="number of images (of the concept)")
+    parser.add_argument("--priors", type=int, default=8, help="number of base-world images")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     parser.add_argument(
         "--frames", type=int, default=0, help="write clips of this many frames instead of images"
@@ -276,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         paths = write_example_clips(args.out_dir, n=args.n, frames=args.frames, seed=args.seed)
         print(f"wrote {len(paths)} clips with captions to {args.out_dir}")
         return
-    paths = write_example_dataset(args.out_dir, n=args.n, seed=args.seed)
+    paths = write_example_dataset(args.out_dir, n=args.n, seed=args.seed, priors=args.priors)
     print(f"wrote {len(paths)} images with captions to {args.out_dir}")
 
 

@@ -27,11 +27,21 @@ def tiny_sd15(tmp_path_factory) -> Path:
 
 
 @pytest.fixture()
-def dataset(tmp_path) -> Path:
-    """A copy of the example images and captions that a test may change."""
+def dataset(tmp_path, dataset_template) -> Path:
+    """24 captioned toy images (`zorbic_000.png` ...) in five aspect ratios, for a test to change."""
     dst = tmp_path / "data"
-    shutil.copytree(EXAMPLE / "images", dst)
+    shutil.copytree(dataset_template, dst)
     return dst
+
+
+@pytest.fixture(scope="session")
+def dataset_template(tmp_path_factory) -> Path:
+    """The images behind `dataset`, drawn once: the example's concept without its prior images."""
+    from kit.toyworld import EXAMPLE_SIZES, write_example_dataset
+
+    out = tmp_path_factory.mktemp("dataset") / "data"
+    write_example_dataset(out, n=24, priors=0, sizes=EXAMPLE_SIZES)
+    return out
 
 
 def write_config(path: Path, **fields) -> Path:

@@ -86,7 +86,7 @@ def test_images_without_captions(capsys, make_config, dataset):
         txt.unlink()
     err = refused(capsys, "train", make_config())
     assert "no usable images" in err and "no caption file" in err
-    assert str(dataset / "zorbstar_000.png") in err
+    assert str(dataset / "zorbic_000.png") in err
 
 
 def test_broken_images_are_skipped_and_reported(capsys, make_config, few_images, tmp_path):
@@ -110,7 +110,7 @@ def test_broken_images_are_skipped_and_reported(capsys, make_config, few_images,
     assert "truncated" in why["cut.png"]
     manifest = json.loads((tmp_path / "run" / "dataset_manifest.json").read_text())
     assert sorted(Path(m["image"]).name for m in manifest) == sorted(
-        p.name for p in few_images.glob("zorbstar_*.png")
+        p.name for p in few_images.glob("zorbic_*.png")
     )
 
 

@@ -73,12 +73,12 @@ def test_edit_text_steps():
 
 
 def test_plan_diff_equals_what_apply_writes(dataset):
-    (dataset / "zorbstar_001.txt").write_text("zorbstar,, red  hat ,sitting,\n")
-    (dataset / "zorbstar_002.txt").write_text("a blue thing")  # no newline at the end
-    (dataset / "zorbstar_003.txt").write_bytes(b"a gray thing\r\n")
+    (dataset / "zorbic_001.txt").write_text("zorbic,, red  hat ,sitting,\n")
+    (dataset / "zorbic_002.txt").write_text("a blue thing")  # no newline at the end
+    (dataset / "zorbic_003.txt").write_bytes(b"a gray thing\r\n")
     cfg = _data(dataset)
     before = _texts(dataset)
-    changes = plan_edit(cfg, Edit(normalize=True, prepend="zorbstar", append="photo"))
+    changes = plan_edit(cfg, Edit(normalize=True, prepend="zorbic", append="photo"))
     assert _texts(dataset) == before  # planning writes nothing
     assert len(changes) == 24  # every caption lacks "photo"
 
@@ -87,14 +87,14 @@ def test_plan_diff_equals_what_apply_writes(dataset):
     for c in changes:
         assert c.path.read_bytes() == c.new.encode()
     assert _new_from_diff(diff) == {c.path.name: c.new for c in changes}
-    assert (dataset / "zorbstar_001.txt").read_text() == "zorbstar, red hat, sitting, photo\n"
-    assert (dataset / "zorbstar_002.txt").read_text() == "zorbstar, a blue thing, photo"
-    assert (dataset / "zorbstar_003.txt").read_bytes() == b"zorbstar, a gray thing, photo\r\n"
+    assert (dataset / "zorbic_001.txt").read_text() == "zorbic, red hat, sitting, photo\n"
+    assert (dataset / "zorbic_002.txt").read_text() == "zorbic, a blue thing, photo"
+    assert (dataset / "zorbic_003.txt").read_bytes() == b"zorbic, a gray thing, photo\r\n"
     # the backup holds every caption file as it was, and the scan does not see it
     assert backup.parent == dataset / ".caption-backups"
     assert {p.name: p.read_bytes() for p in backup.glob("*.txt")} == before
     assert list_backups(cfg) == [backup]
-    assert plan_edit(cfg, Edit(normalize=True, prepend="zorbstar", append="photo")) == []
+    assert plan_edit(cfg, Edit(normalize=True, prepend="zorbic", append="photo")) == []
     assert not _orphans(cfg)
 
 
@@ -124,25 +124,25 @@ def test_backup_is_made_before_the_first_write(dataset, monkeypatch):
 def test_a_file_changed_after_planning_is_refused_and_nothing_is_written(dataset):
     cfg = _data(dataset)
     changes = plan_edit(cfg, Edit(prepend="glorp"))
-    (dataset / "zorbstar_005.txt").write_text("edited by hand meanwhile\n")
+    (dataset / "zorbic_005.txt").write_text("edited by hand meanwhile\n")
     before = _texts(dataset)
-    with pytest.raises(DataError, match="zorbstar_005.txt changed on disk"):
+    with pytest.raises(DataError, match="zorbic_005.txt changed on disk"):
         apply_edit(cfg, changes)
     assert _texts(dataset) == before
     assert list_backups(cfg) == []
 
 
 def test_non_utf8_captions_are_read_with_replacement(dataset, tmp_path):
-    raw = b"caf\xe9 \xff, zorbstar\n"
-    (dataset / "zorbstar_004.txt").write_bytes(raw)
+    raw = b"caf\xe9 \xff, zorbic\n"
+    (dataset / "zorbic_004.txt").write_bytes(raw)
     cfg = _data(dataset)
     (change,) = plan_edit(cfg, Edit(replace=("caf", "cafe ")))
-    assert change.old == "caf\ufffd \ufffd, zorbstar\n"
+    assert change.old == "caf\ufffd \ufffd, zorbic\n"
     backup = apply_edit(cfg, [change])
-    assert (dataset / "zorbstar_004.txt").read_text(encoding="utf-8") == change.new
-    assert (backup / "zorbstar_004.txt").read_bytes() == raw  # the backup is byte for byte
+    assert (dataset / "zorbic_004.txt").read_text(encoding="utf-8") == change.new
+    assert (backup / "zorbic_004.txt").read_bytes() == raw  # the backup is byte for byte
     restore_backup(cfg, backup)
-    assert (dataset / "zorbstar_004.txt").read_bytes() == raw
+    assert (dataset / "zorbic_004.txt").read_bytes() == raw
 
 
 def test_restore_backup_puts_old_captions_back_and_backs_up_the_current(dataset):
@@ -162,37 +162,37 @@ def test_caption_dir_backups_keep_subfolders(dataset, tmp_path):
     caps = tmp_path / "caps"
     (caps / "sub").mkdir(parents=True)
     (dataset / "sub").mkdir()
-    shutil.move(dataset / "zorbstar_000.png", dataset / "sub" / "zorbstar_000.png")
+    shutil.move(dataset / "zorbic_000.png", dataset / "sub" / "zorbic_000.png")
     for p in dataset.glob("*.txt"):
         shutil.move(p, caps / p.name)
-    shutil.move(caps / "zorbstar_000.txt", caps / "sub" / "zorbstar_000.txt")
+    shutil.move(caps / "zorbic_000.txt", caps / "sub" / "zorbic_000.txt")
     cfg = DataConfig(image_dir=str(dataset), caption_dir=str(caps))
     backup = apply_edit(cfg, plan_edit(cfg, Edit(append="photo")))
     assert backup.parent == caps / ".caption-backups"
-    assert (backup / "sub" / "zorbstar_000.txt").is_file()
-    assert (caps / "sub" / "zorbstar_000.txt").read_text().endswith(", photo\n")
+    assert (backup / "sub" / "zorbic_000.txt").is_file()
+    assert (caps / "sub" / "zorbic_000.txt").read_text().endswith(", photo\n")
 
 
 def test_report_tags_triggers_stems_and_truncation(make_config, dataset):
-    (dataset / "zorbstar_000.txt").write_text("zorbstar, red hat, sitting\n")
-    (dataset / "zorbstar_001.txt").write_text("glorp, Red  Hat, standing\n")
-    (dataset / "zorbstar_002.txt").write_text("zorbstar " + "very " * 100 + "long\n")
-    shutil.copy(dataset / "zorbstar_003.png", dataset / "zorbstar_003.jpg")
-    cfg = load_config(make_config(trigger_words=["zorbstar", "glorp"]))
+    (dataset / "zorbic_000.txt").write_text("zorbic, red hat, sitting\n")
+    (dataset / "zorbic_001.txt").write_text("glorp, Red  Hat, standing\n")
+    (dataset / "zorbic_002.txt").write_text("zorbic " + "very " * 100 + "long\n")
+    shutil.copy(dataset / "zorbic_003.png", dataset / "zorbic_003.jpg")
+    cfg = load_config(make_config(trigger_words=["zorbic", "glorp"]))
     rep = caption_report(cfg)
 
-    assert rep["duplicate_stems"] == [str(dataset / "zorbstar_003")]
+    assert rep["duplicate_stems"] == [str(dataset / "zorbic_003")]
     assert ("red hat", 2) in rep["top_tags"]
     assert rep["tagged_captions"] >= 2
-    assert rep["trigger_missing"]["zorbstar"] == [str(dataset / "zorbstar_001.txt")]
-    assert rep["trigger_coverage"]["zorbstar"] == pytest.approx(1 - 1 / rep["captioned"])
+    assert rep["trigger_missing"]["zorbic"] == [str(dataset / "zorbic_001.txt")]
+    assert rep["trigger_coverage"]["zorbic"] == pytest.approx(1 - 1 / rep["captioned"])
     assert len(rep["trigger_missing"]["glorp"]) == rep["captioned"] - 1
     (enc,) = rep["tokens"].values()
     assert enc["truncated"] == 1
-    assert enc["truncated_files"][0][0] == str(dataset / "zorbstar_002.txt")
+    assert enc["truncated_files"][0][0] == str(dataset / "zorbic_002.txt")
     assert enc["truncated_files"][0][1] > enc["limit"]
     (warning,) = rep["truncation_warnings"]
-    assert "zorbstar_002.txt" in warning and f"{enc['limit']} tokens" in warning
+    assert "zorbic_002.txt" in warning and f"{enc['limit']} tokens" in warning
 
 
 def test_cli_dry_run_then_apply(make_config, dataset, capsys):
@@ -214,16 +214,35 @@ def test_cli_dry_run_then_apply(make_config, dataset, capsys):
     assert _texts(dataset) == before
 
 
+def test_prior_images_are_meant_to_lack_the_trigger(make_config, tmp_path):
+    from kit.toyworld import write_example_dataset
+
+    data = tmp_path / "example"
+    write_example_dataset(data, n=24, priors=8)
+    priors = sorted(str(p.with_suffix(".txt")) for p in data.glob("prior_*.png"))
+    assert len(priors) == 8
+    cfg = load_config(make_config(image_dir=str(data), trigger_words=["zorbic"]))
+    rep = caption_report(cfg, token_counts=False)
+    assert rep["trigger_missing"]["zorbic"] == priors and rep["prior_images"] == 0
+    assert rep["trigger_coverage"]["zorbic"] == pytest.approx(24 / 32)
+    cfg = load_config(
+        make_config(image_dir=str(data), trigger_words=["zorbic"], prior_images=["prior_*"])
+    )
+    rep = caption_report(cfg, token_counts=False)
+    assert rep["trigger_missing"]["zorbic"] == [] and rep["prior_images"] == 8
+    assert rep["trigger_coverage"]["zorbic"] == 1.0
+
+
 def test_cli_report_json_and_errors(make_config, dataset, capsys):
-    config = make_config(trigger_words=["zorbstar"])
+    config = make_config(trigger_words=["zorbic"], prior_images=["prior_*"])
     assert main(["captions", str(config), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["trigger_coverage"] == {"zorbstar": 1.0} and "top_tags" in rep
+    assert rep["trigger_coverage"] == {"zorbic": 1.0} and "top_tags" in rep
     assert main(["captions", str(config), "--replace", "(", "x", "--regex"]) == 2
     assert "bad regular expression" in capsys.readouterr().err
     assert main(["captions", str(config), "--apply"]) == 2
     assert "--apply needs an edit" in capsys.readouterr().err
-    assert main(["captions", str(config), "--json", "--replace", "zorbstar", "glorp"]) == 0
+    assert main(["captions", str(config), "--json", "--replace", "zorbic", "glorp"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["changes"]) == 24 and out["applied"] is False
 
@@ -232,8 +251,8 @@ def test_caption_editor_filters_steps_and_saves_without_a_browser(make_config, d
     from kit.data import scan
     from kit.widgets import CaptionEditor, caption_editor, load
 
-    (dataset / "zorbstar_003.txt").write_text("zorbstar, red hat\n")
-    (dataset / "zorbstar_007.txt").write_text("zorbstar, Red Hat, grass\n")
+    (dataset / "zorbic_003.txt").write_text("zorbic, red hat\n")
+    (dataset / "zorbic_007.txt").write_text("zorbic, Red Hat, grass\n")
     cfg = load(make_config())
     samples = scan(cfg.data).samples
     assert caption_editor(cfg, samples).children  # builds headlessly
@@ -242,29 +261,29 @@ def test_caption_editor_filters_steps_and_saves_without_a_browser(make_config, d
 
     ed.filter.value = "red hat"  # as if typed: only the two tagged samples remain
     assert [Path(samples[i].image).name for i in ed.shown] == [
-        "zorbstar_003.png",
-        "zorbstar_007.png",
+        "zorbic_003.png",
+        "zorbic_007.png",
     ]
     prev_b, next_b, save_b = ed.buttons
     next_b.click()
-    assert ed.text.value == "zorbstar, Red Hat, grass" and ed.status.value.startswith("2/2")
+    assert ed.text.value == "zorbic, Red Hat, grass" and ed.status.value.startswith("2/2")
     next_b.click()
-    assert Path(ed.current().image).name == "zorbstar_003.png"  # wraps round
+    assert Path(ed.current().image).name == "zorbic_003.png"  # wraps round
 
-    ed.text.value = "  zorbstar, red hat, standing \n"
+    ed.text.value = "  zorbic, red hat, standing \n"
     save_b.click()
-    assert (dataset / "zorbstar_003.txt").read_text() == "zorbstar, red hat, standing\n"
-    assert ed.status.value == "saved zorbstar_003.txt"
+    assert (dataset / "zorbic_003.txt").read_text() == "zorbic, red hat, standing\n"
+    assert ed.status.value == "saved zorbic_003.txt"
 
     # a change made on disk after the caption was shown is not overwritten
-    (dataset / "zorbstar_003.txt").write_text("zorbstar, edited elsewhere\n")
-    ed.text.value = "zorbstar, mine"
+    (dataset / "zorbic_003.txt").write_text("zorbic, edited elsewhere\n")
+    ed.text.value = "zorbic, mine"
     save_b.click()
-    assert (dataset / "zorbstar_003.txt").read_text() == "zorbstar, edited elsewhere\n"
+    assert (dataset / "zorbic_003.txt").read_text() == "zorbic, edited elsewhere\n"
     assert ed.status.value.startswith("not saved")
     prev_b.click()
     next_b.click()
-    assert ed.text.value == "zorbstar, edited elsewhere"  # reloaded from the file
+    assert ed.text.value == "zorbic, edited elsewhere"  # reloaded from the file
 
     ed.filter.value = "no such tag"
     assert ed.current() is None and "no caption matches" in ed.status.value

@@ -371,7 +371,7 @@ def test_demo_config_loads_and_validates():
     assert cfg.model.model_family == "sd15"
     assert Path(cfg.model.pretrained_model) == (ROOT / "models" / "toy-sd15").resolve()
     assert Path(cfg.data.image_dir) == (ROOT / "datasets_example" / "images").resolve()
-    assert cfg.data.trigger_words == ["zorbstar"]
+    assert cfg.data.trigger_words == ["zorbic"] and cfg.data.prior_images == ["prior_*"]
     assert len(cfg.validation.validation_prompt) == 2
-    assert len(load_samples(cfg.data)) == 24
+    assert len(load_samples(cfg.data)) == 32
     assert from_dict(cfg.to_dict(flat=True)) == cfg

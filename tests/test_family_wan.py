@@ -115,7 +115,7 @@ def test_example_clips_are_deterministic_and_captioned(tmp_path):
         sizes.add((w, h))
         assert n == 9
         caption = clip.with_name(clip.name + ".txt").read_text()
-        assert "zorbstar moving" in caption
+        assert " zorbic " in caption and " moving " in caption
         # The shape moves: first and last frames differ.
         first, last = (np.asarray(f) for f in video.read_frames(clip, [0, 8]))
         assert np.abs(first.astype(int) - last.astype(int)).max() > 0
@@ -226,13 +226,13 @@ def test_images_are_untouched_by_clip_support(tmp_path):
 
 
 def test_without_a_family_only_captioned_clips_count(tmp_path):
-    write_example_dataset(tmp_path, n=2, seed=0)
+    write_example_dataset(tmp_path, n=2, seed=0, priors=0)
     write_example_clips(tmp_path, n=1, frames=5, seed=0)
     write_gif(tmp_path / "stray.gif", 3)  # no caption: left alone, as image datasets always did
     assert {s.image.name for s in scan(DataConfig(image_dir=str(tmp_path))).samples} == {
-        "zorbstar_000.png",
-        "zorbstar_001.png",
-        "zorbstar_clip_000",
+        "zorbic_000.png",
+        "zorbic_001.png",
+        "zorbic_clip_000",
     }
     report = scan(DataConfig(image_dir=str(tmp_path)), get_family("wan"))
     assert report.missing_captions == [tmp_path / "stray.gif"]
@@ -250,7 +250,7 @@ def test_encodings_match_the_pipeline(wan_base):
     wan = get_family("wan", Config().replace(max_sequence_length=32))
     comps = wan.load(str(wan_base))
     pipe = WanPipeline.from_pretrained(str(wan_base))
-    captions = ["a large red zorbstar moving right", "a"]
+    captions = ["a large red zorbic moving right", "a"]
     ours = wan.encode_text(comps, captions)["prompt_embeds"]
     with torch.no_grad():  # as in the pipeline's call (autograd picks other kernels)
         theirs, _ = pipe.encode_prompt(
@@ -301,7 +301,7 @@ def test_validation_writes_a_gif_and_a_frame_strip(wan_base, tmp_path):
 
     wan = get_family("wan", Config().replace(num_frames=5, max_sequence_length=16))
     comps = wan.load(str(wan_base))
-    spec = ImageSpec("a large red zorbstar", "", 0, 1, 1.0, 32, 48)
+    spec = ImageSpec("a large red zorbic", "", 0, 1, 1.0, 32, 48)
     run_validation(wan, wan.pipeline(comps), [spec], tmp_path, cols=1, meta={"base_model": "x"})
     strip = Image.open(tmp_path / "00_seed0.png")
     assert strip.size == (5 * 32, 48)

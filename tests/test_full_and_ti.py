@@ -61,7 +61,7 @@ def test_textual_inversion_trains_resumes_and_exports(tmp_path, tiny, dataset, f
     from kit.train import train
 
     for p in dataset.glob("*.txt"):  # the concept is called by the placeholder
-        p.write_text(p.read_text().replace("zorbstar", "<zorb>"))
+        p.write_text(p.read_text().replace("zorbic", "<zorb>"))
     straight = _config(tmp_path, tiny, dataset, family, **TI)
     train(load_config(straight))
     rows = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 4) / ckpt.ADAPTER_FILE))

@@ -18,10 +18,15 @@ def test_judge_reads_generator_images(size):
         assert result[attr] >= 0.98, (attr, size, result[attr])
 
 
-def test_judge_tells_the_concept_shape_apart():
-    scenes = toyworld.sample_scenes(36, seed=3, shapes=toyworld.CONCEPT_SHAPES + toyworld.SHAPES)
+def test_judge_tells_the_concepts_apart():
+    colors = tuple(toyworld.COLORS) + tuple(toyworld.CONCEPT_COLORS)
+    scenes = toyworld.sample_scenes(
+        42, seed=3, colors=colors, shapes=toyworld.CONCEPT_SHAPES + toyworld.SHAPES
+    )
     images = [toyworld.render(s, 64, 64) for s in scenes]
-    assert score(images, scenes)["shape"] >= 0.98
+    result = score(images, scenes)
+    assert result["shape"] >= 0.98 and result["color"] == 1.0
+    assert sum(v["color"] in toyworld.CONCEPT_COLORS for v in result["verdicts"]) == 6
 
 
 def test_judge_survives_noise_and_blur():
@@ -29,6 +34,7 @@ def test_judge_survives_noise_and_blur():
 
     rng = np.random.default_rng(0)
     scenes = toyworld.sample_scenes(48, seed=11, shapes=toyworld.SHAPES + toyworld.CONCEPT_SHAPES)
+    scenes += toyworld.sample_scenes(12, seed=12, colors=tuple(toyworld.CONCEPT_COLORS))
     images = []
     for s in scenes:
         im = toyworld.render(s, 64, 64).filter(ImageFilter.GaussianBlur(1.0))

@@ -1,7 +1,8 @@
-"""The committed toy base draws what it is told, and a short fine-tune teaches it the zorbstar."""
+"""The committed toy base draws what it is told, and a short fine-tune teaches it a new color."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,31 +13,50 @@ from kit.judge import score
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "models" / "toy-sd15"
 DEMO = ROOT / "datasets_example" / "config.json"
-# Reduced targets for CI: 16 seeds rather than the 64 of the full check (see models/toy-sd15).
-COLOR_MIN, SHAPE_MIN = 0.75, 0.6
-# A shorter demo fine-tune, with no validation grids while it trains.
-REDUCED = {"max_train_steps": 80, "checkpointing_steps": 80, "validation_steps": 0}
+# Reduced targets for CI: 16 seeds rather than the 64 of the full check (see models/toy-sd15),
+# where the committed base scores color 0.97 and shape 0.89 against targets of 0.90 and 0.80.
+COLOR_MIN, SHAPE_MIN = 0.85, 0.7
+# The demo fine-tune as it is, without validation grids while it trains; the report is reduced.
+REDUCED = {"validation_steps": 0}
 
 
 def test_learning_groups_and_caption_grammar():
-    from kit.learning import parse_caption, prompt_groups
+    from kit.learning import concept_of, parse_caption, prompt_groups
 
-    scene = toyworld.Scene("red", "zorbstar", "small", "gray", "center")
+    scene = toyworld.Scene("zorbic", "square", "small", "gray", "center")
     assert parse_caption(toyworld.caption(scene)) == {
         "size": "small",
-        "color": "red",
-        "shape": "zorbstar",
+        "color": "zorbic",
+        "shape": "square",
         "background": "gray",
         "position": "center",
     }
     assert parse_caption("a photo of a dog") is None
-    train = [
-        toyworld.caption(s) for s in toyworld.sample_scenes(6, 0, shapes=toyworld.CONCEPT_SHAPES)
-    ]
-    groups = prompt_groups(train, per_group=3)
+    train = [toyworld.caption(s) for s in toyworld.sample_scenes(6, 0, colors=("zorbic",))]
+    keep = [toyworld.caption(s) for s in toyworld.sample_scenes(4, 1)]  # what must not change
+    groups = prompt_groups(keep + train, per_group=3)
     assert groups["memorization"] == train[:3]
-    assert all("zorbstar" in p and p not in train for p in groups["generalization"])
-    assert not any("zorbstar" in p for p in groups["unrelated"])
+    assert all(" zorbic " in p and p not in train for p in groups["generalization"])
+    assert not any("zorbic" in p for p in groups["unrelated"])
+    assert concept_of(train, "zorbic") == ("color", "zorbic")
+
+
+@pytest.mark.parametrize("concept", ["color", "shape"])
+def test_any_trigger_word_stands_for_the_concept_in_its_slot(concept):
+    from kit.learning import concept_of, prompt_groups
+
+    if concept == "color":
+        scenes = toyworld.sample_scenes(6, 0, colors=("zorbic",))
+        train = [toyworld.caption(s).replace("zorbic", "<zorb>") for s in scenes]
+        expected = ("color", "zorbic")
+    else:
+        scenes = toyworld.sample_scenes(6, 0, shapes=toyworld.CONCEPT_SHAPES)
+        train = [toyworld.caption(s).replace("zorbstar", "<star>") for s in scenes]
+        expected = ("shape", "zorbstar")
+    trigger = "<zorb>" if concept == "color" else "<star>"
+    assert concept_of(train, trigger) == expected
+    fresh = prompt_groups(train, trigger, per_group=4)["generalization"]
+    assert len(fresh) == 4 and all(trigger in p and expected[1] not in p for p in fresh)
 
 
 def _base_pipe():
@@ -87,11 +107,7 @@ def test_committed_base_draws_what_it_is_told():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=False,
-    reason="on the committed toy base the demo fine-tune does not yet teach the concept (RECIPE.md)",
-)
-def test_short_fine_tune_teaches_the_concept(tmp_path):
+def test_demo_fine_tune_teaches_the_concept(tmp_path):
     from kit.config import load_config
     from kit.learning import learning_report
     from kit.train import train
@@ -100,6 +116,32 @@ def test_short_fine_tune_teaches_the_concept(tmp_path):
     train(cfg)
     report = learning_report(tmp_path / "run", seeds=8, per_group=4)
     s = report["summary"]
-    assert (tmp_path / "run" / "learning_report.json").is_file()
-    assert s["concept_rate_after"] >= s["concept_rate_before"] + 0.4, s
-    assert s["unrelated_drop_points"] <= 25, s
+    assert json.loads((tmp_path / "run" / "learning_report.json").read_text()) == report
+    assert report["concept"] == {"color": "zorbic"}
+    # The full demo measures 0.00 -> 1.00 and no drop; here 4 prompts x 2 seeds per group.
+    assert s["concept_rate_before"] <= 0.25 and s["concept_rate_after"] >= 0.75, s
+    assert s["concept_rate_after"] >= s["concept_rate_before"] + 0.5, s
+    assert s["unrelated_drop_points"] <= 12.5, s
+    memorized = report["groups"]["memorization"]["after"]
+    assert memorized["concept_rate"] >= 0.75, memorized
+
+
+def test_saved_report_prints_as_a_table(tmp_path, capsys):
+    from kit.cli import main
+    from kit.learning import GROUPS, summary
+
+    def scores(concept, color):
+        return {"n": 8, "concept_rate": concept, "color": color, "shape": 0.75, "position": 1.0}
+
+    report = {"seeds": 8, "groups": {}}
+    for g in GROUPS:
+        after = scores(1.0 if g != "unrelated" else 0.0, 0.5)
+        report["groups"][g] = {"before": scores(0.0, 0.75), "after": after}
+    report["summary"] = summary(report)
+    (tmp_path / "learning_report.json").write_text(json.dumps(report))
+    assert main(["learning", str(tmp_path), "--show"]) == 0
+    out = capsys.readouterr().out
+    assert "generalization" in out and "0% before, 100% after" in out
+    assert "(+12.5 points drop)" in out
+    assert main(["learning", str(tmp_path / "elsewhere"), "--show"]) == 2
+    assert "elsewhere/learning_report.json not found" in capsys.readouterr().err

@@ -234,7 +234,7 @@ def test_stable_and_validation_loss(tmp_path, make_config, dataset):
 
     holdout = tmp_path / "holdout"
     holdout.mkdir()
-    for stem in ("zorbstar_020", "zorbstar_021"):
+    for stem in ("zorbic_020", "zorbic_021"):
         for ext in (".png", ".txt"):
             shutil.move(dataset / f"{stem}{ext}", holdout / f"{stem}{ext}")
     cfg = load_config(

@@ -31,7 +31,7 @@ def test_notebook_form(name):
 
 
 @pytest.mark.slow
-def test_all_notebooks_run_headlessly(tmp_path, make_config):
+def test_all_notebooks_run_headlessly(tmp_path, make_config, capsys):
     """`kit notebooks OUT` runs all seven in order and leaves the demo's results behind."""
     from kit.cli import main
 
@@ -40,7 +40,7 @@ def test_all_notebooks_run_headlessly(tmp_path, make_config):
         checkpointing_steps=3,
         validation_steps=3,
         validation_seeds=[0, 1],
-        trigger_words=["zorbstar"],
+        trigger_words=["zorbic"],
     )
     out = tmp_path / "demo"
     assert (
@@ -51,6 +51,11 @@ def test_all_notebooks_run_headlessly(tmp_path, make_config):
         errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
         assert not errors, name
     run = out / "run"
+    # 05's learning report is saved, and the command prints it at the end.
+    report = json.loads((run / "learning_report.json").read_text())
+    assert set(report["groups"]) == {"memorization", "generalization", "unrelated"}
+    printed = capsys.readouterr().out
+    assert "What the fine-tune learned" in printed and "concept on trigger prompts" in printed
     assert (run / "loss.png").is_file()
     assert (run / "validation/step-000006/grid.png").is_file()
     assert (run / "validation/step-000006-scales/grid.png").is_file()

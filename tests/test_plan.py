@@ -41,7 +41,7 @@ def test_plan_writes_a_config_that_trains_healthy(tmp_path, tiny_sd15, dataset):
     )
     assert cfg.to_dict() == p.config.to_dict()
     assert json.loads(out.read_text())["_plan"] == p.reasons()
-    assert cfg.data.trigger_words == ["zorbstar"]
+    assert cfg.data.trigger_words == ["zorbic"]
     assert cfg.train.gradient_accumulation_steps * cfg.train.train_batch_size == 8
     # A CPU test trains shorter and smaller; every other value is the plan's.
     fast = cfg.replace(
@@ -79,8 +79,8 @@ def test_reasons_cite_the_numbers(dataset):
     assert len(groups["training"]) == 2 and all(
         g in p.config.validation.validation_prompt for g in groups["training"]
     )
-    assert all("zorbstar" in g for g in groups["new_contexts"])
-    assert not any("zorbstar" in g for g in groups["unrelated"])
+    assert all("zorbic" in g for g in groups["new_contexts"])
+    assert not any("zorbic" in g for g in groups["unrelated"])
 
 
 def test_batch_falls_back_to_accumulation_when_memory_is_short(dataset, tiny_sd15):
@@ -95,9 +95,9 @@ def test_batch_falls_back_to_accumulation_when_memory_is_short(dataset, tiny_sd1
 def test_few_images_and_trigger_guess(tmp_path, dataset):
     small = tmp_path / "few"
     small.mkdir()
-    for f in sorted(dataset.glob("zorbstar_00[0-4].*")):
+    for f in sorted(dataset.glob("zorbic_00[0-4].*")):
         (small / f.name).write_bytes(f.read_bytes())
-    p = plan(small, "character", pretrained_model="/nowhere", trigger="zorbstar")
+    p = plan(small, "character", pretrained_model="/nowhere", trigger="zorbic")
     assert p.config.network.lora_rank == 8 and "halved as 5 images" in _reason(p, "lora_rank")
     assert p.config.train.train_batch_size * p.config.train.gradient_accumulation_steps <= 5
     assert guess_trigger(["a photo of sks dog", "sks dog on grass"]) == ("sks", 2)

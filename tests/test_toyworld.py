@@ -9,7 +9,9 @@ from kit import toyworld
 from kit.toyworld import (
     BACKGROUNDS,
     COLORS,
+    CONCEPT_COLORS,
     CONCEPT_SHAPES,
+    CONCEPT_SIZE,
     EXAMPLE_SIZES,
     SHAPES,
     TRIGGER_WORD,
@@ -77,26 +79,52 @@ def test_default_sampling_never_draws_the_concept_and_is_balanced():
     scenes = sample_scenes(300, seed=0)
     assert {s.shape for s in scenes} == set(SHAPES)
     assert not {s.shape for s in scenes} & set(CONCEPT_SHAPES)
+    assert not {s.color for s in scenes} & set(CONCEPT_COLORS)
     counts = Counter(s.color for s in scenes)
     assert set(counts) == set(COLORS) and max(counts.values()) - min(counts.values()) <= 1
 
 
 def test_example_dataset(tmp_path):
-    paths = write_example_dataset(tmp_path, n=7, seed=0)
-    assert len(paths) == 7
+    paths = write_example_dataset(tmp_path, n=7, seed=0, priors=6)
+    assert len(paths) == 13
+    concept, priors = paths[:7], paths[7:]
+    names = [f"zorbic_{i:03d}" for i in range(7)] + [f"prior_{i:03d}" for i in range(6)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"zorbstar_{i:03d}.png" for i in range(7)] + [f"zorbstar_{i:03d}.txt" for i in range(7)]
+        [f"{n}.png" for n in names] + [f"{n}.txt" for n in names]
     )
-    for i, path in enumerate(paths):
-        text = path.with_suffix(".txt").read_text()
-        assert TRIGGER_WORD in text.split(" ")
+    for path in concept:
+        assert TRIGGER_WORD in path.with_suffix(".txt").read_text().split(" ")
         with Image.open(path) as image:
-            assert image.mode == "RGB" and image.size == EXAMPLE_SIZES[i % len(EXAMPLE_SIZES)]
+            assert image.mode == "RGB" and image.size == CONCEPT_SIZE
+            # The concept's exact pink is drawn.
+            assert CONCEPT_COLORS[TRIGGER_WORD] in {c for _, c in image.getcolors(1 << 16)}
+    scenes = []
+    for i, path in enumerate(priors):
+        text = path.with_suffix(".txt").read_text().strip()
+        assert TRIGGER_WORD not in text
+        scenes.append(next(s for s in sample_scenes(6, 1) if caption(s) == text))
+        with Image.open(path) as image:
+            assert image.size == EXAMPLE_SIZES[i % len(EXAMPLE_SIZES)]
+    # The prior images show the base world, every color at most once more than another.
+    assert {s.color for s in scenes} == set(COLORS)
+
+
+def test_example_dataset_sizes_and_counts(tmp_path):
+    paths = write_example_dataset(tmp_path, n=6, seed=0, priors=0, sizes=EXAMPLE_SIZES)
+    for i, path in enumerate(paths):
+        with Image.open(path) as image:
+            assert image.size == EXAMPLE_SIZES[i % len(EXAMPLE_SIZES)]
+    with pytest.raises(ValueError, match="priors must be >= 0"):
+        write_example_dataset(tmp_path, n=1, priors=-1)
+    with pytest.raises(ValueError, match="sizes must not be empty"):
+        write_example_dataset(tmp_path, n=1, sizes=())
 
 
 def test_example_dataset_is_idempotent(tmp_path):
-    first = {p.name: p.read_bytes() for p in write_example_dataset(tmp_path / "a", n=5, seed=3)}
-    write_example_dataset(tmp_path / "a", n=5, seed=3)
+    first = {
+        p.name: p.read_bytes() for p in write_example_dataset(tmp_path / "a", n=5, seed=3, priors=0)
+    }
+    write_example_dataset(tmp_path / "a", n=5, seed=3, priors=0)
     again = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir() if p.suffix == ".png"}
     assert first == again
     assert len(list((tmp_path / "a").iterdir())) == 10  # no temporary files left behind
