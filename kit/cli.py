@@ -264,14 +264,20 @@ def _print_learning(report: dict, path: Path) -> None:
     from kit.learning import format_table
 
     s = report["summary"]
+    drop = s["unrelated_drop_points"]
+    change = (
+        f"{drop:.1f} points lower" if drop > 0 else f"{-drop:.1f} points higher" if drop else "same"
+    )
     print(f"\nWhat the fine-tune learned ({report['seeds']} images per group and adapter; {path}):")
     print(format_table(report))
     print(
         f"concept on trigger prompts: {s['concept_rate_before']:.0%} before, "
-        f"{s['concept_rate_after']:.0%} after; unrelated prompts: "
+        f"{s['concept_rate_after']:.0%} after; unrelated prompts (color and shape): "
         f"{s['unrelated_accuracy_before']:.0%} before, {s['unrelated_accuracy_after']:.0%} after "
-        f"({s['unrelated_drop_points']:+.1f} points drop)"
+        f"({change})"
     )
+    for name, why in report.get("skipped", {}).items():
+        print(f"{name}: not drawn ({why})")
 
 
 def cmd_learning(args: argparse.Namespace) -> int:

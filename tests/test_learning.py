@@ -138,10 +138,12 @@ def test_saved_report_prints_as_a_table(tmp_path, capsys):
         after = scores(1.0 if g != "unrelated" else 0.0, 0.5)
         report["groups"][g] = {"before": scores(0.0, 0.75), "after": after}
     report["summary"] = summary(report)
+    report["skipped"] = {"memorization": "no toy-world caption with '<zorb>'"}
     (tmp_path / "learning_report.json").write_text(json.dumps(report))
     assert main(["learning", str(tmp_path), "--show"]) == 0
     out = capsys.readouterr().out
     assert "generalization" in out and "0% before, 100% after" in out
-    assert "(+12.5 points drop)" in out
+    assert "(12.5 points lower)" in out
+    assert "memorization: not drawn (no toy-world caption with '<zorb>')" in out
     assert main(["learning", str(tmp_path / "elsewhere"), "--show"]) == 2
     assert "elsewhere/learning_report.json not found" in capsys.readouterr().err
