@@ -389,6 +389,9 @@ def _fit_batch(
 def _prompts(captions: list[str], trigger: str, task: str) -> dict[str, list[str]]:
     """Two training captions far apart, the trigger in new contexts, and unrelated prompts."""
     distinct = list(dict.fromkeys(c for c in captions if c))
+    # Captions with the trigger, where there are any: the others may be prior images.
+    with_trigger = [c for c in distinct if trigger and trigger.lower() in _words(c)]
+    distinct = with_trigger or distinct
     training = distinct[:1]
     if len(distinct) > 1:
         first = set(_words(distinct[0]))

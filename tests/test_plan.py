@@ -110,3 +110,11 @@ def test_cli_plan_prints_json(dataset, capsys):
     assert main(["plan", str(dataset), "--task", "concept", "--pretrained-model", "/nowhere"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["train"]["lr_scheduler"] == "cosine" and printed["_plan"]
+
+
+def test_training_prompts_carry_the_trigger_when_some_captions_do():
+    from kit.plan import _prompts
+
+    captions = ["a red circle on white", "a zorbic square", "a large zorbic circle on black"]
+    assert _prompts(captions, "zorbic", "character")["training"] == captions[1:]
+    assert _prompts(captions[:1], "zorbic", "character")["training"] == captions[:1]
