@@ -1,6 +1,6 @@
 """Data pipeline speed, as ratios measured in one run.
 
-1. scanning a folder of images: `kit.data.scan` (sizes from headers, captions, checks) vs. two
+1. scanning a folder of images: `kit.data.scan.scan` (sizes from headers, captions, checks) vs. two
    baselines, in images/s: PIL reading bare headers (the floor) and opening and fully decoding
    every image (what a scanner that loads pixels costs);
 2. building the latent and text cache of the example dataset (hashing, encoding, atomic
@@ -23,7 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from kit.config import DataConfig
-from kit.data import scan
+from kit.data.scan import scan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import measure  # noqa: E402
@@ -62,12 +62,13 @@ def headers_only(folder: Path) -> int:
 
 
 def cache_build(resolution: int = 128) -> dict[str, float]:
-    """Images/s of `kit.cache.build_cache` (cold, then warm) and of a plain encode-only loop."""
+    """Images/s of `kit.data.cache.build_cache` (cold, then warm) and of a plain encode-only loop."""
     import torch
 
-    from kit.cache import build_cache
     from kit.config import from_dict
-    from kit.data import load_pixels, plan_dataset
+    from kit.data.buckets import plan_dataset
+    from kit.data.cache import build_cache
+    from kit.data.pixels import load_pixels
     from kit.families import get_family
 
     root = Path(__file__).resolve().parent.parent

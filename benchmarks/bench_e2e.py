@@ -2,13 +2,13 @@
 
 Measured in one run, reported as ratios:
 
-1. training: `kit.train.train` on a fixed tiny config (tiny SD1.5, the example's 24 images,
+1. training: `kit.train.loop.train` on a fixed tiny config (tiny SD1.5, the example's 24 images,
    LoRA) against a plain loop in the style of the common text-to-image LoRA example scripts,
    written here: the same model and data, a DataLoader that decodes images, and the VAE and text
    encoder run on every batch. Steady-state steps/s (after warm-up steps) and end-to-end seconds
    (load, data, training, saving the LoRA, one small validation image), the kit with a cold
    and with a warm latent cache;
-2. the estimator: `kit.memory.estimate` of the shipped SDXL architecture at 1024 px, the first
+2. the estimator: `kit.preflight.memory.estimate` of the shipped SDXL architecture at 1024 px, the first
    call (one traced step on the meta device) against a repeat read from its cache.
 
 Usage: python benchmarks/bench_e2e.py [--steps N] [--warmup N] [--resolution R] [--skip-estimate]
@@ -42,10 +42,10 @@ def _steady(times: list[float], warmup: int) -> float:
 
 
 def kit_run(base: Path, out: Path, cache: Path, steps: int, resolution: int) -> dict[str, Any]:
-    """`kit.train.train` on the fixed config: end-to-end seconds and per-step times."""
+    """`kit.train.loop.train` on the fixed config: end-to-end seconds and per-step times."""
     from kit.config import from_dict
-    from kit.runs import RunDir
-    from kit.train import train
+    from kit.run.folder import RunDir
+    from kit.train.loop import train
 
     cfg = from_dict(
         {
@@ -228,8 +228,8 @@ def estimator() -> dict[str, Any]:
     """Seconds of the first SDXL 1024 px estimate and of a cached repeat (fresh cache folder)."""
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["KIT_VRAM_CACHE"] = tmp
-        from kit import memory
         from kit.config import from_dict
+        from kit.preflight import memory
 
         cfg = from_dict(
             {

@@ -61,7 +61,7 @@ def small_model(family: str, out: Path) -> Path:
     from diffusers import UNet2DConditionModel
 
     from kit.families import get_family
-    from kit.memory import MODEL_CONFIGS
+    from kit.families.shipped import MODEL_CONFIGS
 
     get_family(family).make_tiny(out, seed=0)
     tiny = UNet2DConditionModel.load_config(out / "unet")
@@ -92,7 +92,7 @@ def child(spec: dict) -> None:
     import torch
 
     from kit.logs import quiet_libraries
-    from kit.memory import real_step
+    from kit.preflight.memory import real_step
 
     quiet_libraries()
     torch.set_num_threads(2)
@@ -140,7 +140,7 @@ def main() -> None:
         return
 
     from kit.logs import quiet_libraries
-    from kit.memory import estimate
+    from kit.preflight.memory import estimate
 
     quiet_libraries()
     os.environ.setdefault("KIT_VRAM_CACHE", tempfile.mkdtemp(prefix="kit-vram-"))

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from kit.cache import build_cache
 from kit.config import from_dict
-from kit.data import epoch_batches, load_pixels
+from kit.data.buckets import epoch_batches
+from kit.data.cache import build_cache
+from kit.data.pixels import load_pixels
 from kit.families import get_family
 from kit.logs import quiet_libraries
-from kit.network import attach, trainable_parameters
+from kit.methods.network import attach, trainable_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 

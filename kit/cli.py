@@ -24,7 +24,7 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from kit.env import advice, report
+    from kit.run.env import advice, report
 
     rep = report()
     if args.json:
@@ -56,7 +56,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_captions(args: argparse.Namespace) -> int:
-    from kit.captions import Edit, caption_report
+    from kit.data.captions import Edit, caption_report
 
     cfg = _config(args)
     if args.restore:
@@ -104,7 +104,7 @@ def cmd_captions(args: argparse.Namespace) -> int:
 
 def _edit_captions(cfg, edit, args: argparse.Namespace) -> int:
     """Show a bulk edit as a diff; write it (after a backup) only with --apply."""
-    from kit.captions import apply_edit, diff_text, plan_edit
+    from kit.data.captions import apply_edit, diff_text, plan_edit
 
     changes = plan_edit(cfg, edit)
     backup = apply_edit(cfg, changes) if args.apply and changes else None
@@ -129,7 +129,7 @@ def _edit_captions(cfg, edit, args: argparse.Namespace) -> int:
 
 def _restore_captions(cfg, args: argparse.Namespace) -> int:
     """Put a caption backup back; the captions it replaces are backed up first."""
-    from kit.captions import restore_backup
+    from kit.data.captions import restore_backup
 
     before = restore_backup(cfg, args.restore)
     print(f"restored captions from {args.restore}; the replaced ones are backed up in {before}")
@@ -137,7 +137,7 @@ def _restore_captions(cfg, args: argparse.Namespace) -> int:
 
 
 def cmd_buckets(args: argparse.Namespace) -> int:
-    from kit.buckets import bucket_report, report_lines
+    from kit.data.report import bucket_report, report_lines
 
     if args.processes < 1:
         raise KitError(f"--processes {args.processes} must be at least 1")
@@ -150,7 +150,7 @@ def cmd_buckets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from kit.memory import GIB, GPUS, advise, estimate
+    from kit.preflight.memory import GIB, GPUS, advise, estimate
 
     cfg = _config(args)
     est = estimate(cfg)
@@ -188,7 +188,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_network(args: argparse.Namespace) -> int:
-    from kit.network import preview
+    from kit.methods.network import preview
 
     summary = preview(_config(args))
     if args.json:
@@ -211,7 +211,7 @@ def cmd_network(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from kit.train import train
+    from kit.train.loop import train
 
     result = train(_config(args), resume=args.resume, force=args.force, overwrite=args.overwrite)
     print(
@@ -222,9 +222,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from kit.config import load_config
-    from kit.export import export, formats_for
+    from kit.export.writer import export, formats_for
     from kit.families import get_family
-    from kit.runs import open_run
+    from kit.run.folder import open_run
 
     formats = args.format
     if not formats:
@@ -249,7 +249,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_notebooks(args: argparse.Namespace) -> int:
-    from kit.notebooks import run_notebooks
+    from kit.ui.notebooks import run_notebooks
 
     params = {name: _literal(value) for name, value in args.param or []}
     for path in run_notebooks(args.out_dir, params, only=args.only):
@@ -261,7 +261,7 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
 
 
 def _print_learning(report: dict, path: Path) -> None:
-    from kit.learning import format_table
+    from kit.toy.learning import format_table
 
     s = report["summary"]
     drop = s["unrelated_drop_points"]
@@ -281,7 +281,7 @@ def _print_learning(report: dict, path: Path) -> None:
 
 
 def cmd_learning(args: argparse.Namespace) -> int:
-    from kit.learning import learning_report
+    from kit.toy.learning import learning_report
 
     path = Path(args.run_dir) / "learning_report.json"
     if args.show:
@@ -300,7 +300,7 @@ def cmd_learning(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from kit.plan import plan
+    from kit.preflight.plan import plan
 
     base = _config(args) if args.config else None
     p = plan(
@@ -325,8 +325,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from kit.doctor import SEVERITIES, diagnose, format_findings, write_report
-    from kit.runs import open_run
+    from kit.report.doctor import SEVERITIES, diagnose, format_findings, write_report
+    from kit.run.folder import open_run
 
     run = open_run(args.run_dir)
     findings = diagnose(run.root)
@@ -340,7 +340,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_accelerate_config(args: argparse.Namespace) -> int:
-    from kit.distributed import write_accelerate_config
+    from kit.train.distributed import write_accelerate_config
 
     cfg = _config(args) if args.config else None
     out = write_accelerate_config(
@@ -356,7 +356,7 @@ def cmd_accelerate_config(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kit.archive import compare, format_comparison, plot_comparison
+    from kit.report.archive import compare, format_comparison, plot_comparison
 
     result = compare(args.run_a, args.run_b)
     if args.plot:

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import inspect
 import json
+import re
 import textwrap
 import types
 import typing
@@ -20,8 +21,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from PIL import ImageColor
+
 from kit.errors import ConfigError
-from kit.images import parse_color
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
 
@@ -636,3 +638,14 @@ def parse_override(text: str) -> tuple[str, Any]:
 def warn(msg: str) -> None:
     """A warning the user should read (printed once, without a source line)."""
     warnings.warn(msg, UserWarning, stacklevel=3)
+
+
+_HEX = re.compile(r"#[0-9a-fA-F]{6}")
+
+
+def parse_color(value: str) -> tuple[int, int, int]:
+    """An (r, g, b) colour from a colour name (`white`) or `#rrggbb`, or a ValueError."""
+    text = value.strip().lower()
+    if not (_HEX.fullmatch(text) or text in ImageColor.colormap):
+        raise ValueError(f"{value!r} is not a colour name or #rrggbb")
+    return ImageColor.getrgb(text)[:3]

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from kit import toyworld
-from kit.judge import score
+from kit.toy import world as toyworld
+from kit.toy.judge import score
 
 SETTINGS = {"num_inference_steps": 20, "guidance_scale": 5.0, "width": 64, "height": 64}
 """How the learning report draws: DDIM 20 steps, guidance 5, 64x64."""

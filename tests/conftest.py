@@ -37,7 +37,7 @@ def dataset(tmp_path, dataset_template) -> Path:
 @pytest.fixture(scope="session")
 def dataset_template(tmp_path_factory) -> Path:
     """The images behind `dataset`, drawn once: the example's concept without its prior images."""
-    from kit.toyworld import EXAMPLE_SIZES, write_example_dataset
+    from kit.toy.world import EXAMPLE_SIZES, write_example_dataset
 
     out = tmp_path_factory.mktemp("dataset") / "data"
     write_example_dataset(out, n=24, priors=0, sizes=EXAMPLE_SIZES)

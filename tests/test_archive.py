@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from kit import archive
 from kit.cli import main
 from kit.config import load_config
-from kit.train import train
+from kit.report import archive
+from kit.train.loop import train
 
 
 def _sha(path) -> str:

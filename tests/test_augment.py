@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from kit.augment import augment_caption, augmentation_enabled, caption_variants, split_tags
 from kit.config import DataConfig
+from kit.data.augment import augment_caption, augmentation_enabled, caption_variants, split_tags
 from kit.errors import ConfigError
 
 CAPTION = "zorb, red hat, sitting, grass, blue sky, smiling, outdoors, tree, cloud, sun, photo"

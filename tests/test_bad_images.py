@@ -13,9 +13,11 @@ import pytest
 from PIL import Image
 
 from kit.config import DataConfig
-from kit.data import check_dataset, load_pixels, place, scan
+from kit.data.buckets import place
+from kit.data.images import BadImage, open_rgb, probe
+from kit.data.pixels import load_pixels
+from kit.data.scan import check_dataset, scan
 from kit.errors import ConfigError, DataError
-from kit.images import BadImage, open_rgb, probe
 
 
 def good(path: Path, size=(64, 64), color=(200, 30, 30), caption: str | None = "a photo") -> Path:

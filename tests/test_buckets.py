@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from kit.buckets import aspect_histogram, bucket_report
 from kit.cli import main as kit_main
 from kit.config import DataConfig, from_dict, load_config
-from kit.data import Sample, epoch_batches, plan_buckets, sample_pixels
+from kit.data.buckets import epoch_batches, plan_buckets
+from kit.data.pixels import sample_pixels
+from kit.data.report import aspect_histogram, bucket_report
+from kit.data.scan import Sample
 from kit.errors import ConfigError
 
 
@@ -129,7 +131,7 @@ def test_small_bucket_merge_moves_to_the_nearest_big_bucket_and_recrops():
 
 
 def loader_batches(plan, batch_size: int, seed: int, epoch: int, rank: int, world: int) -> list:
-    """(index, batch) of each batch one process trains in an epoch, walked as kit.train does."""
+    """(index, batch) of each batch one process trains in an epoch, walked as kit.train.loop does."""
     batches = epoch_batches(plan, batch_size, seed, epoch, world)
     out, position = [], 0
     while position < len(batches):
@@ -153,7 +155,7 @@ def example_cfg(dataset: Path, **kw):
 @pytest.mark.parametrize("policy", ["drop", "repeat", "merge"])
 @pytest.mark.parametrize(("world", "accum"), [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_report_counts_what_the_trainer_loads(dataset, policy, world, accum):
-    from kit.data import plan_dataset
+    from kit.data.buckets import plan_dataset
 
     cfg = example_cfg(dataset, small_bucket_policy=policy, gradient_accumulation_steps=accum)
     report = bucket_report(cfg, num_processes=world)
@@ -215,7 +217,7 @@ def test_cli_buckets_json_and_table(dataset, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_real_run_logs_the_reported_steps_per_epoch(make_config, dataset):
-    from kit.train import train
+    from kit.train.loop import train
 
     cfg = load_config(
         make_config(bucket_step=16, max_train_steps=15, checkpointing_steps=0, logging_steps=1)

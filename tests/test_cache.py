@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from kit.cache import build_cache, plan_cache
 from kit.config import load_config
+from kit.data.cache import build_cache, plan_cache
 
 COLORS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200)]
 CAPTIONS = [
@@ -36,7 +36,7 @@ def small_data(tmp_path) -> Path:
 
 @pytest.fixture()
 def setup(make_config, small_data):
-    from kit.train import load_base
+    from kit.families.loading import load_base
 
     def make(**kw):
         cfg = load_config(make_config(image_dir=str(small_data), **kw))
@@ -188,7 +188,7 @@ def test_training_from_a_full_cache_never_loads_the_encoders(
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel
 
-    from kit.train import train
+    from kit.train.loop import train
 
     holdout = tmp_path / "holdout"
     shutil.copytree(small_data, holdout)

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import kit.captions as captions
-from kit.captions import (
+import kit.data.captions as captions
+from kit.cli import main
+from kit.config import DataConfig, load_config
+from kit.data.captions import (
     Edit,
     apply_edit,
     caption_report,
@@ -19,8 +21,6 @@ from kit.captions import (
     plan_edit,
     restore_backup,
 )
-from kit.cli import main
-from kit.config import DataConfig, load_config
 from kit.errors import DataError, KitError
 
 
@@ -99,7 +99,7 @@ def test_plan_diff_equals_what_apply_writes(dataset):
 
 
 def _orphans(cfg: DataConfig) -> list[Path]:
-    from kit.data import scan
+    from kit.data.scan import scan
 
     return scan(cfg).orphan_captions
 
@@ -215,7 +215,7 @@ def test_cli_dry_run_then_apply(make_config, dataset, capsys):
 
 
 def test_prior_images_are_meant_to_lack_the_trigger(make_config, tmp_path):
-    from kit.toyworld import write_example_dataset
+    from kit.toy.world import write_example_dataset
 
     data = tmp_path / "example"
     write_example_dataset(data, n=24, priors=8)
@@ -248,8 +248,8 @@ def test_cli_report_json_and_errors(make_config, dataset, capsys):
 
 
 def test_caption_editor_filters_steps_and_saves_without_a_browser(make_config, dataset):
-    from kit.data import scan
-    from kit.widgets import CaptionEditor, caption_editor, load
+    from kit.data.scan import scan
+    from kit.ui.widgets import CaptionEditor, caption_editor, load
 
     (dataset / "zorbic_003.txt").write_text("zorbic, red hat\n")
     (dataset / "zorbic_007.txt").write_text("zorbic, Red Hat, grass\n")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import colab
 from kit.errors import KitError
+from kit.run import colab
 
 
 @pytest.fixture()
@@ -29,7 +29,7 @@ def test_in_colab_when_google_colab_imports(tmp_path, monkeypatch):
     fake = tmp_path / "site" / "google" / "colab"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
-    code = "import sys; sys.path.insert(0, sys.argv[1]); from kit import colab; print(colab.in_colab())"
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from kit.run import colab; print(colab.in_colab())"
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path / "site")], capture_output=True, text=True
     )

@@ -16,7 +16,7 @@ from kit.config import (
     load_config,
     parse_override,
 )
-from kit.data import load_samples
+from kit.data.scan import load_samples
 from kit.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent

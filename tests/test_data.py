@@ -11,22 +11,19 @@ import pytest
 from PIL import Image
 from safetensors.torch import load_file
 
-from kit.cache import build_cache
 from kit.config import DataConfig, load_config
-from kit.data import (
+from kit.data.buckets import (
     BucketPlan,
     Placement,
-    Sample,
     assign_bucket,
     epoch_batches,
-    image_size,
-    load_pixels,
-    load_samples,
     make_buckets,
     place,
     plan_buckets,
-    scan,
 )
+from kit.data.cache import build_cache
+from kit.data.pixels import load_pixels
+from kit.data.scan import Sample, image_size, load_samples, scan
 from kit.errors import DataError
 
 # ---------------------------------------------------------------- buckets
@@ -243,7 +240,7 @@ N_CACHED = 8  # images kept for the cache tests: enough to show reuse, few to en
 
 @pytest.fixture()
 def base(make_config, dataset):
-    from kit.train import load_base
+    from kit.families.loading import load_base
 
     for png in sorted(dataset.glob("*.png"))[N_CACHED:]:
         png.unlink()
@@ -314,7 +311,7 @@ def test_changed_resolution_is_encoded_again(base):
 
 def test_prior_image_patterns(tmp_path):
     from kit.config import DataConfig
-    from kit.data import is_prior_image
+    from kit.data.scan import is_prior_image
     from kit.errors import ConfigError
 
     root = tmp_path / "data"

@@ -13,13 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
-from kit import doctor
 from kit.cli import main
 from kit.config import load_config
-from kit.distributed import free_port
 from kit.errors import KitError
-from kit.train import train
+from kit.report import doctor
+from kit.run import checkpoint as ckpt
+from kit.train.distributed import free_port
+from kit.train.loop import train
 
 pytest.importorskip(
     "deepspeed",

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
+from kit.run import checkpoint as ckpt
 
 
 @pytest.mark.slow

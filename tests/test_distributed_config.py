@@ -12,11 +12,11 @@ import pytest
 from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
 from accelerate.utils import DistributedType
 
-from kit import checkpoint as ckpt
 from kit.cli import main
 from kit.config import load_config
-from kit.distributed import launch_in_notebook, write_accelerate_config
 from kit.errors import KitError
+from kit.run import checkpoint as ckpt
+from kit.train.distributed import launch_in_notebook, write_accelerate_config
 
 
 @pytest.fixture(autouse=True)
@@ -105,7 +105,7 @@ def test_launch_in_notebook_two_cpu_processes(make_config, tmp_path):
     since the launcher refuses a process that has already made an Accelerator."""
     cfg = make_config(max_train_steps=2, checkpointing_steps=0)
     code = (
-        "import sys; from kit.distributed import launch_in_notebook; "
+        "import sys; from kit.train.distributed import launch_in_notebook; "
         "launch_in_notebook(sys.argv[1], num_processes=2)"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -15,11 +15,11 @@ import pytest
 import torch
 from PIL import Image
 
-from kit import doctor
 from kit.cli import main
 from kit.config import Config, load_config
 from kit.errors import KitError
-from kit.train import train
+from kit.report import doctor
+from kit.train.loop import train
 
 
 def make_run(root, rows=(), manifest=None, **config):
@@ -88,16 +88,16 @@ PROMPTS = ["a zorbstar on a beach", "a zorbstar in space", "a house at night"]
 
 def test_forced_nan_is_named_first_with_precision(tmp_path, make_config, monkeypatch):
     """A loss that turns NaN at step 3 stops training; the doctor names it, with the state."""
-    import kit.train
+    import kit.train.loop
 
-    real, calls = kit.train.denoising_loss, {"n": 0}
+    real, calls = kit.train.loop.denoising_loss, {"n": 0}
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
         loss = real(*args, **kwargs)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(kit.train, "denoising_loss", poisoned)
+    monkeypatch.setattr(kit.train.loop, "denoising_loss", poisoned)
     cfg = load_config(make_config(max_train_steps=6, train_batch_size=2))
     with pytest.raises(KitError) as err:
         train(cfg)

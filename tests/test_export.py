@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from kit.config import load_config
 from kit.errors import KitError
-from kit.export import export, verify_export
-from kit.runs import RunDir
-from kit.train import train
+from kit.export.writer import export, verify_export
+from kit.run.folder import RunDir
+from kit.train.loop import train
 
 # Plain diffusers, no kit: what a user of the exported file would write.
 REPRODUCE = textwrap.dedent(
@@ -109,7 +109,7 @@ def test_plain_diffusers_reproduces_a_validation_image(trained_run, fmt):
 
 def test_the_adapter_changes_the_image(trained_run):
     """The comparison above means something: without the adapter the image differs."""
-    from kit.validate import draw_checkpoint
+    from kit.sample.validate import draw_checkpoint
 
     grid = draw_checkpoint(trained_run.root, scales=(0.0, 1.0))
     base = np.asarray(Image.open(grid.parent / "00_seed0.png"), dtype=int)

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
-from kit.export import export
+from kit.export.writer import export
 from kit.families import family_names, get_family
-from kit.train import train
+from kit.run import checkpoint as ckpt
+from kit.train.loop import train
 from tests.conftest import EXAMPLE, write_config
 
 FAMILIES = family_names()
@@ -58,7 +58,7 @@ def family_run(request, tmp_path_factory):
     base = family.make_tiny(tmp / "base", seed=0)
     data = tmp / "data"
     if family.video:
-        from kit.toyworld import write_example_clips
+        from kit.toy.world import write_example_clips
 
         write_example_clips(data, n=4, frames=9, seed=0)
     else:
@@ -145,7 +145,7 @@ def test_trains_resumes_exports_and_reproduces(family_run):
 
 
 def test_memory_estimate_traces_the_architecture(family_run):
-    from kit.memory import estimate
+    from kit.preflight.memory import estimate
 
     name, tmp, fields = family_run
     est = estimate(_config(tmp, fields, "estimate"))
@@ -157,7 +157,7 @@ def test_memory_estimate_traces_the_architecture(family_run):
 
 
 def test_token_counts_per_text_encoder(family_run):
-    from kit.captions import caption_report
+    from kit.data.captions import caption_report
 
     name, tmp, fields = family_run
     rep = caption_report(_config(tmp, fields, "captions"))

@@ -79,7 +79,7 @@ def test_lora_round_trips_every_default_target(tiny_flux, tmp_path):
     from diffusers import FluxPipeline
     from peft.utils import get_peft_model_state_dict
 
-    from kit.network import adapter_state_dict, attach
+    from kit.methods.network import adapter_state_dict, attach
 
     cfg = Config().replace(model_family="flux", lora_rank=2)
     family = get_family("flux", cfg)

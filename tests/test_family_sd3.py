@@ -10,12 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit.cache import build_cache
 from kit.config import load_config
-from kit.export import export
+from kit.data.cache import build_cache
+from kit.export.writer import export
 from kit.families import get_family
-from kit.train import load_base, train
-from kit.validate import ImageSpec
+from kit.families.base import ImageSpec
+from kit.families.loading import load_base
+from kit.train.loop import train
 from tests.conftest import EXAMPLE, write_config
 
 

@@ -11,21 +11,15 @@ import pytest
 import torch
 from PIL import Image
 
-from kit import video
-from kit.cache import build_cache, file_digest
 from kit.config import Config, DataConfig
-from kit.data import (
-    epoch_batches,
-    load_pixels,
-    load_samples,
-    place,
-    plan_buckets,
-    plan_dataset,
-    scan,
-)
+from kit.data import video
+from kit.data.buckets import epoch_batches, place, plan_buckets, plan_dataset
+from kit.data.cache import build_cache, file_digest
+from kit.data.pixels import load_pixels
+from kit.data.scan import load_samples, scan
 from kit.errors import DataError
 from kit.families import get_family
-from kit.toyworld import write_example_clips, write_example_dataset
+from kit.toy.world import write_example_clips, write_example_dataset
 
 COLORS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (255, 0, 255)]
 
@@ -297,7 +291,8 @@ def test_cache_holds_clip_latents_and_batches_carry_sizes(wan_base, tmp_path):
 
 
 def test_validation_writes_a_gif_and_a_frame_strip(wan_base, tmp_path):
-    from kit.validate import ImageSpec, run_validation
+    from kit.families.base import ImageSpec
+    from kit.sample.validate import run_validation
 
     wan = get_family("wan", Config().replace(num_frames=5, max_sequence_length=16))
     comps = wan.load(str(wan_base))

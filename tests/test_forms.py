@@ -7,7 +7,7 @@ import pytest
 
 from kit.config import Config, load_config
 from kit.errors import ConfigError
-from kit.forms import LORA_FIELDS, config_form
+from kit.ui.forms import LORA_FIELDS, config_form
 from tests.conftest import write_config
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
 from kit.errors import KitError
-from kit.runs import RunDir
-from kit.train import CPU_FP16_ENV, _accelerator, resolve_precision, train
+from kit.run import checkpoint as ckpt
+from kit.run.folder import RunDir
+from kit.train.loop import CPU_FP16_ENV, _accelerator, resolve_precision, train
 
 
 @pytest.fixture()

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
 from kit.errors import ConfigError
-from kit.export import export
+from kit.export.writer import export
+from kit.run import checkpoint as ckpt
 from tests.conftest import write_config
 
 FAMILIES = ["sd15", "sdxl"]
@@ -58,7 +58,7 @@ TI = {
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_textual_inversion_trains_resumes_and_exports(tmp_path, tiny, dataset, family):
-    from kit.train import train
+    from kit.train.loop import train
 
     for p in dataset.glob("*.txt"):  # the concept is called by the placeholder
         p.write_text(p.read_text().replace("zorbic", "<zorb>"))
@@ -87,7 +87,7 @@ def test_textual_inversion_trains_resumes_and_exports(tmp_path, tiny, dataset, f
 def test_only_placeholder_rows_change(tiny):
     from kit.config import from_dict
     from kit.families import get_family
-    from kit.network import build_network
+    from kit.methods.network import build_network
 
     cfg = from_dict({"pretrained_model": str(tiny["sd15"]), **TI})
     family = get_family("sd15", cfg)
@@ -113,7 +113,7 @@ def test_only_placeholder_rows_change(tiny):
 def test_textual_inversion_token_checks(tiny, tokens, init, match):
     from kit.config import from_dict
     from kit.families import get_family
-    from kit.network import build_network
+    from kit.methods.network import build_network
 
     cfg = from_dict(
         {
@@ -130,7 +130,7 @@ def test_textual_inversion_token_checks(tiny, tokens, init, match):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_fine_tune_with_text_encoder(tmp_path, tiny, dataset, family):
-    from kit.train import train
+    from kit.train.loop import train
 
     fields = {"network_type": "full", "train_text_encoder": True, "learning_rate": 1e-4}
     train(load_config(_config(tmp_path, tiny, dataset, family, **fields)))
@@ -154,7 +154,7 @@ def test_full_fine_tune_with_text_encoder(tmp_path, tiny, dataset, family):
 
 
 def test_network_preview_and_estimate_for_full_and_ti(tmp_path, tiny, dataset):
-    from kit.memory import estimate
+    from kit.preflight.memory import estimate
 
     full = estimate(load_config(_config(tmp_path, tiny, dataset, "sd15", network_type="full")))
     ti = estimate(load_config(_config(tmp_path, tiny, dataset, "sd15", name="ti.json", **TI)))
@@ -164,9 +164,9 @@ def test_network_preview_and_estimate_for_full_and_ti(tmp_path, tiny, dataset):
 @pytest.mark.parametrize("kind", ["lora", "dora", "loha", "lokr"])
 def test_adapter_kinds_on_sdxl(tmp_path, tiny, dataset, kind):
     """Each adapter kind trains, resumes exactly and exports (verified) on SDXL too."""
-    from kit.export import formats_for
+    from kit.export.writer import formats_for
     from kit.families import get_family
-    from kit.train import train
+    from kit.train.loop import train
 
     fields = {
         "network_type": kind,

@@ -14,10 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
 from kit.errors import KitError
-from kit.train import train
+from kit.run import checkpoint as ckpt
+from kit.train.loop import train
 
 STEPS = 24
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kit import toyworld
-from kit.judge import ATTRIBUTES, judge, score
+from kit.toy import world as toyworld
+from kit.toy.judge import ATTRIBUTES, judge, score
 
 
 @pytest.mark.parametrize("size", [(64, 64), (96, 64), (128, 128), (128, 192)])

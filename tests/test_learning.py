@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kit import toyworld
-from kit.judge import score
+from kit.toy import world as toyworld
+from kit.toy.judge import score
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "models" / "toy-sd15"
@@ -21,7 +21,7 @@ REDUCED = {"validation_steps": 0}
 
 
 def test_learning_groups_and_caption_grammar():
-    from kit.learning import concept_of, parse_caption, prompt_groups
+    from kit.toy.learning import concept_of, parse_caption, prompt_groups
 
     scene = toyworld.Scene("zorbic", "square", "small", "gray", "center")
     assert parse_caption(toyworld.caption(scene)) == {
@@ -43,7 +43,7 @@ def test_learning_groups_and_caption_grammar():
 
 @pytest.mark.parametrize("concept", ["color", "shape"])
 def test_any_trigger_word_stands_for_the_concept_in_its_slot(concept):
-    from kit.learning import concept_of, prompt_groups
+    from kit.toy.learning import concept_of, prompt_groups
 
     if concept == "color":
         scenes = toyworld.sample_scenes(6, 0, colors=("zorbic",))
@@ -109,8 +109,8 @@ def test_committed_base_draws_what_it_is_told():
 @pytest.mark.slow
 def test_demo_fine_tune_teaches_the_concept(tmp_path):
     from kit.config import load_config
-    from kit.learning import learning_report
-    from kit.train import train
+    from kit.toy.learning import learning_report
+    from kit.train.loop import train
 
     cfg = load_config(DEMO, {"output_dir": str(tmp_path / "run"), **REDUCED})
     train(cfg)
@@ -128,7 +128,7 @@ def test_demo_fine_tune_teaches_the_concept(tmp_path):
 
 def test_saved_report_prints_as_a_table(tmp_path, capsys):
     from kit.cli import main
-    from kit.learning import GROUPS, summary
+    from kit.toy.learning import GROUPS, summary
 
     def scores(concept, color):
         return {"n": 8, "concept_rate": concept, "color": color, "shape": 0.75, "position": 1.0}

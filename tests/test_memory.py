@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kit import memory
 from kit.cli import main
 from kit.config import Config
 from kit.families import get_family
-from kit.memory import GIB, GPUS, SHIPPED, Shape, advise, config_source, estimate
+from kit.families.shipped import SHIPPED, config_source
+from kit.preflight import memory
+from kit.preflight.memory import GIB, GPUS, Shape, advise, estimate
 
 # Shipped model → (family, denoiser parameters in billions, low, high): the published sizes.
 SHIPPED_MODELS = {

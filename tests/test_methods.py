@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
 from kit.errors import ConfigError, KitError
-from kit.export import export
-from kit.train import train
+from kit.export.writer import export
+from kit.run import checkpoint as ckpt
+from kit.train.loop import train
 
 
 def _weights(run, step):
@@ -54,8 +54,8 @@ def test_adapter_kind_trains_resumes_and_exports(tmp_path, make_config, kind, fo
 def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
     """The independent LyCORIS reader computes the same update as the layers that trained."""
     from kit.families import get_family
-    from kit.lycoris import delta_weights, to_lycoris
-    from kit.network import attach, load_adapter_state_dict
+    from kit.methods.lycoris import delta_weights, to_lycoris
+    from kit.methods.network import attach, load_adapter_state_dict
 
     for kind in ("loha", "lokr"):
         cfg = load_config(
@@ -84,7 +84,7 @@ def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
 
 def test_layer_filters_preview_matches_what_trains(tmp_path, make_config):
     from kit.cli import main
-    from kit.network import preview
+    from kit.methods.network import preview
 
     path = make_config(
         only_if_contains=["attn2"], ignore_if_contains=["up_blocks"], max_train_steps=1
@@ -103,7 +103,7 @@ def test_layer_filters_preview_matches_what_trains(tmp_path, make_config):
 def test_min_snr_weights_follow_the_formula(tiny_sd15):
     from diffusers import DDPMScheduler
 
-    from kit.families.base import ddpm_noise_and_target
+    from kit.families.noise import ddpm_noise_and_target
 
     sched = DDPMScheduler.from_pretrained(tiny_sd15, subfolder="scheduler")
     latents = torch.zeros(64, 4, 8, 8)
@@ -121,7 +121,7 @@ def test_min_snr_weights_follow_the_formula(tiny_sd15):
 def test_offset_noise_shifts_channel_means(tiny_sd15):
     from diffusers import DDPMScheduler
 
-    from kit.families.base import ddpm_noise_and_target
+    from kit.families.noise import ddpm_noise_and_target
 
     sched = DDPMScheduler.from_pretrained(tiny_sd15, subfolder="scheduler")
     latents = torch.zeros(256, 4, 16, 16)
@@ -134,7 +134,7 @@ def test_offset_noise_shifts_channel_means(tiny_sd15):
 
 
 def test_caption_dropout_uses_the_empty_caption():
-    from kit.objective import drop_captions
+    from kit.train.objective import drop_captions
 
     batch = {"latents": torch.zeros(200, 1), "prompt_embeds": torch.ones(200, 3, 2)}
     empty = {"prompt_embeds": torch.full((3, 2), 7.0)}
@@ -253,9 +253,9 @@ def test_stable_and_validation_loss(tmp_path, make_config, dataset):
 
 
 def test_fixed_loss_is_deterministic(make_config, tiny_sd15):
-    from kit.cache import build_cache
-    from kit.objective import FixedLoss
-    from kit.train import load_base
+    from kit.data.cache import build_cache
+    from kit.families.loading import load_base
+    from kit.train.objective import FixedLoss
 
     cfg = load_config(make_config())
     family, comps = load_base(cfg)

@@ -7,7 +7,7 @@ import re
 import nbformat
 import pytest
 
-from kit.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
+from kit.ui.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
 
 BADGE = re.compile(
     r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"

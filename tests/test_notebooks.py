@@ -9,7 +9,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kit.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
+from kit.ui.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

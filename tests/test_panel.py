@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
-from kit.panel import LIVE_FIGURE, TrainPanel
-from kit.train import StopTraining, train
+from kit.run import checkpoint as ckpt
+from kit.train.loop import StopTraining, train
+from kit.ui.panel import LIVE_FIGURE, TrainPanel
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

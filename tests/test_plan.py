@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from kit import doctor
 from kit.cli import main
 from kit.config import load_config
 from kit.errors import KitError
-from kit.plan import guess_trigger, plan
-from kit.train import train
+from kit.preflight.plan import guess_trigger, plan
+from kit.report import doctor
+from kit.train.loop import train
 
 
 def _reason(p, key):
@@ -113,7 +113,7 @@ def test_cli_plan_prints_json(dataset, capsys):
 
 
 def test_training_prompts_carry_the_trigger_when_some_captions_do():
-    from kit.plan import _prompts
+    from kit.preflight.plan import _prompts
 
     captions = ["a red circle on white", "a zorbic square", "a large zorbic circle on black"]
     assert _prompts(captions, "zorbic", "character")["training"] == captions[1:]

@@ -7,7 +7,8 @@ import random
 
 import numpy as np
 
-from kit import toybase, toyworld
+from kit.toy import base as toybase
+from kit.toy import world as toyworld
 
 
 def test_random_polygons_come_in_any_color():

@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 from PIL import Image
 
-from kit import toyworld
-from kit.toyworld import (
+from kit.toy import world as toyworld
+from kit.toy.world import (
     BACKGROUNDS,
     COLORS,
     CONCEPT_COLORS,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kit import checkpoint as ckpt
 from kit.config import load_config
-from kit.train import train
+from kit.run import checkpoint as ckpt
+from kit.train.loop import train
 
 GUIDE = {
     "model_family": "sd15",

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import difflib
+import importlib
+import pkgutil
 from typing import TYPE_CHECKING
 
 from kit.errors import ConfigError
-from kit.families.base import Components, Family, NoiseDraw
+from kit.families.base import Components, Family
+from kit.families.noise import NoiseDraw
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -37,13 +40,14 @@ def family_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _import_all() -> None:
-    """Import every module of this package: each family file registers itself on import."""
-    import importlib
-    import pkgutil
+# Modules of this package that are shared machinery, not a family.
+_SHARED = {"base", "identity", "loading", "noise", "shipped", "tiny"}
 
+
+def _import_all() -> None:
+    """Import every family file of this package: each registers itself on import."""
     for mod in pkgutil.iter_modules(__path__):
-        if mod.name != "base":
+        if mod.name not in _SHARED:
             importlib.import_module(f"{__name__}.{mod.name}")
 
 

@@ -7,8 +7,6 @@ family's name.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kit.families.identity import fingerprint, part_config, tokenizer_identity, weights_identity
+from kit.families.noise import NoiseDraw, ddpm_noise_and_target
+
 if TYPE_CHECKING:
     from PIL import Image
 
     from kit.config import Config
-    from kit.validate import ImageSpec
 
 
 @dataclass
@@ -75,14 +75,18 @@ def frozen(*modules: nn.Module | None) -> None:
 
 
 @dataclass
-class NoiseDraw:
-    """One training draw: what the denoiser sees and what it should output."""
+class ImageSpec:
+    """Everything plain diffusers needs to draw the same image again."""
 
-    noisy: torch.Tensor
-    timesteps: torch.Tensor
-    target: torch.Tensor
-    weight: torch.Tensor | None = None
-    """Per-sample loss weight (e.g. a flow-matching density correction); None means 1."""
+    prompt: str
+    negative_prompt: str
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    adapter_scale: float = 1.0
+    generator_device: str = "cpu"
 
 
 class Family(ABC):
@@ -92,6 +96,10 @@ class Family(ABC):
     """The `model_family` value that selects this family."""
     bucket_step: int = 64
     """Bucket sides are multiples of this."""
+    native_resolution: int = 512
+    """The side, in pixels, the released base model was trained at (the planner's resolution)."""
+    hub_id: str = ""
+    """The hub repository of the maintained base model in diffusers layout (the planner's base)."""
     default_lora_targets: tuple[str, ...] = ()
     """Denoiser module names adapted by LoRA when the config names none."""
     kohya_prefix: str = "lora_unet"
@@ -349,129 +357,3 @@ class Family(ABC):
                 module = k[: -len(magnitude)].replace(".", "_")
                 out[f"{self.kohya_prefix}_{module}.dora_scale"] = v.reshape(-1, 1)
         return out
-
-
-def saved_scheduler(source: str, default: str) -> Any:
-    """The sampler saved with the base model (what plain diffusers would use); `default` names
-    the diffusers class to read it with when the config does not name one."""
-    import diffusers
-
-    fallback = getattr(diffusers, default)
-    config = fallback.load_config(source, subfolder="scheduler")
-    return getattr(diffusers, config.get("_class_name", ""), fallback).from_config(config)
-
-
-def fingerprint(obj: Any) -> str:
-    """A short stable hash of JSON-able data."""
-    blob = json.dumps(obj, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def part_config(source: str, subfolder: str, revision: str | None = None) -> dict[str, Any]:
-    """A part's saved `config.json` (a local folder's, or downloaded alone from the hub)."""
-    path = Path(source) / subfolder / "config.json"
-    if not Path(source).is_dir():
-        from huggingface_hub import hf_hub_download
-
-        path = Path(hf_hub_download(source, "config.json", subfolder=subfolder, revision=revision))
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
-def tokenizer_identity(source: str, revision: str | None = None) -> str:
-    """Fingerprint the tokenizers: for a local folder their files' names, sizes and contents."""
-    files: list[Any] = []
-    root = Path(source)
-    if root.is_dir():
-        for folder in sorted(root.glob("tokenizer*")):
-            for f in sorted(folder.iterdir()):
-                if f.is_file():
-                    files.append((folder.name, f.name, hashlib.sha256(f.read_bytes()).hexdigest()))
-    return fingerprint({"source": source, "rev": revision, "files": files})
-
-
-def weights_identity(source: str, subfolder: str, config: dict, revision: str | None) -> str:
-    """Fingerprint a part: its config plus, for a local folder, its weight files' sizes and times."""
-    files: list[Any] = []
-    folder = Path(source) / subfolder
-    if folder.is_dir():
-        for f in sorted(folder.iterdir()):
-            if f.suffix in (".safetensors", ".bin"):
-                st = f.stat()
-                files.append((f.name, st.st_size, st.st_mtime_ns))
-    return fingerprint(
-        {"source": source, "sub": subfolder, "rev": revision, "cfg": config, "files": files}
-    )
-
-
-def ddpm_noise_and_target(
-    scheduler: Any,
-    latents: torch.Tensor,
-    generator: torch.Generator,
-    *,
-    min_snr_gamma: float = 0.0,
-    noise_offset: float = 0.0,
-) -> NoiseDraw:
-    """Uniform timesteps and Gaussian noise for DDPM-style models; epsilon or v target.
-
-    `noise_offset` adds a per-channel constant to the noise (offset noise); `min_snr_gamma`
-    weights each sample by min(SNR, γ) / SNR (epsilon) or min(SNR, γ) / (SNR + 1) (v).
-    """
-    b = latents.shape[0]
-    # Draw on the CPU generator so a run is the same on any device.
-    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-    if noise_offset > 0:
-        shape = (b, latents.shape[1]) + (1,) * (latents.ndim - 2)
-        noise = noise + noise_offset * torch.randn(shape, generator=generator)
-    noise = noise.to(latents.device, latents.dtype)
-    steps = scheduler.config.num_train_timesteps
-    timesteps = torch.randint(0, steps, (b,), generator=generator).to(latents.device)
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    kind = scheduler.config.prediction_type
-    if kind == "epsilon":
-        target = noise
-    elif kind == "v_prediction":
-        target = scheduler.get_velocity(latents, noise, timesteps)
-    else:
-        raise ValueError(f"unsupported prediction_type {kind!r}")
-    weight = None
-    if min_snr_gamma > 0:
-        alphas = scheduler.alphas_cumprod.to(torch.float32)[timesteps.cpu()]
-        snr = alphas / (1 - alphas)
-        clipped = torch.clamp(snr, max=min_snr_gamma)
-        weight = clipped / (snr + 1 if kind == "v_prediction" else snr)
-    return NoiseDraw(noisy, timesteps, target, weight)
-
-
-def flow_noise_and_target(
-    latents: torch.Tensor,
-    generator: torch.Generator,
-    *,
-    sampling: str = "uniform",
-    logit_mean: float = 0.0,
-    logit_std: float = 1.0,
-    mode_scale: float = 1.29,
-    shift: float = 1.0,
-    num_train_timesteps: int = 1000,
-) -> NoiseDraw:
-    """Rectified-flow draw: x_t = (1 - σ) x0 + σ ε, target ε - x0; σ sampled as configured.
-
-    `sampling`: `uniform`, `logit_normal` (SD3's default) or `mode` (SD3 paper's mode sampling);
-    `shift` > 1 moves σ towards the noisy end, as the schedulers do at sampling time.
-    """
-    b = latents.shape[0]
-    noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
-    noise = noise.to(latents.device, latents.dtype)
-    if sampling == "logit_normal":
-        u = torch.sigmoid(logit_mean + logit_std * torch.randn(b, generator=generator))
-    elif sampling == "mode":
-        u = torch.rand(b, generator=generator)
-        u = 1 - u - mode_scale * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)
-    elif sampling == "uniform":
-        u = torch.rand(b, generator=generator)
-    else:
-        raise ValueError(f"unknown timestep sampling {sampling!r}")
-    sigma = shift * u / (1 + (shift - 1) * u)
-    sigma = sigma.to(latents.device)
-    s = sigma.view(b, *([1] * (latents.ndim - 1))).to(latents.dtype)
-    noisy = (1 - s) * latents + s * noise
-    return NoiseDraw(noisy, sigma * num_train_timesteps, noise - latents)

@@ -16,13 +16,8 @@ import torch
 
 from kit.errors import ConfigError
 from kit.families import register
-from kit.families.base import (
-    PARTS,
-    Components,
-    Family,
-    NoiseDraw,
-    flow_noise_and_target,
-)
+from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.noise import flow_noise_and_target
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -51,6 +46,8 @@ class Flux(Family):
     """Flux.1 dev (guidance embedding) or schnell (none), read from the transformer's config."""
 
     name = "flux"
+    native_resolution = 1024
+    hub_id = "black-forest-labs/FLUX.1-dev"
     bucket_step = 64
     default_lora_targets = (
         "to_q",
@@ -305,8 +302,8 @@ class Flux(Family):
             T5TokenizerFast,
         )
 
+        from kit.families.tiny import write_clip_tokenizer_files, write_t5_tokenizer
         from kit.io import atomic_dir
-        from kit.tiny import write_clip_tokenizer_files, write_t5_tokenizer
 
         torch.manual_seed(seed)
         with tempfile.TemporaryDirectory() as tmp:

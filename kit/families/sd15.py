@@ -8,12 +8,15 @@ from pathlib import Path
 import torch
 
 from kit.families import register
-from kit.families.base import PARTS, Components, Family, saved_scheduler
+from kit.families.base import PARTS, Components, Family
+from kit.families.identity import saved_scheduler
 
 
 @register
 class SD15(Family):
     name = "sd15"
+    native_resolution = 512
+    hub_id = "runwayml/stable-diffusion-v1-5"
     bucket_step = 64
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     kohya_prefix = "lora_unet"
@@ -127,8 +130,8 @@ class SD15(Family):
         )
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+        from kit.families.tiny import write_clip_tokenizer_files
         from kit.io import atomic_dir
-        from kit.tiny import write_clip_tokenizer_files
 
         torch.manual_seed(seed)
         with tempfile.TemporaryDirectory() as tmp:

@@ -9,14 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.families import register
-from kit.families.base import (
-    PARTS,
-    Components,
-    Family,
-    NoiseDraw,
-    flow_noise_and_target,
-    part_config,
-)
+from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.identity import part_config
+from kit.families.noise import flow_noise_and_target
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -29,6 +24,8 @@ DEFAULT_T5_TOKENS = 256  # the pipeline's default `max_sequence_length`
 @register
 class SD3(Family):
     name = "sd3"
+    native_resolution = 1024
+    hub_id = "stabilityai/stable-diffusion-3.5-medium"
     bucket_step = 64
     # Image and context projections of every joint block, as diffusers' SD3 LoRA example trains;
     # load_lora_weights restores all of them.
@@ -294,8 +291,8 @@ class SD3(Family):
             T5TokenizerFast,
         )
 
+        from kit.families.tiny import write_clip_tokenizer_files, write_t5_tokenizer
         from kit.io import atomic_dir
-        from kit.tiny import write_clip_tokenizer_files, write_t5_tokenizer
 
         torch.manual_seed(seed)
         with tempfile.TemporaryDirectory() as tmp:

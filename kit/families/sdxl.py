@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from kit.families import register
-from kit.families.base import PARTS, Components, Family, saved_scheduler
+from kit.families.base import PARTS, Components, Family
+from kit.families.identity import saved_scheduler
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
@@ -18,6 +19,8 @@ CONTEXT = 77
 @register
 class SDXL(Family):
     name = "sdxl"
+    native_resolution = 1024
+    hub_id = "stabilityai/stable-diffusion-xl-base-1.0"
     embedding_names = ("clip_l", "clip_g")
     bucket_step = 64
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
@@ -176,8 +179,8 @@ class SDXL(Family):
             CLIPTokenizer,
         )
 
+        from kit.families.tiny import write_clip_tokenizer_files
         from kit.io import atomic_dir
-        from kit.tiny import write_clip_tokenizer_files
 
         torch.manual_seed(seed)
         with tempfile.TemporaryDirectory() as tmp:

@@ -14,14 +14,9 @@ import numpy as np
 import torch
 
 from kit.families import register
-from kit.families.base import (
-    PARTS,
-    Components,
-    Family,
-    NoiseDraw,
-    flow_noise_and_target,
-    saved_scheduler,
-)
+from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.identity import saved_scheduler
+from kit.families.noise import flow_noise_and_target
 
 TEMPORAL_FACTOR = 4
 """Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
@@ -32,6 +27,8 @@ DEFAULT_SEQUENCE_LENGTH = 512
 @register
 class Wan(Family):
     name = "wan"
+    native_resolution = 480
+    hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     # 8x VAE times the transformer's 2x2 patches; WanPipeline refuses sides not divisible by 16.
     bucket_step = 16
     # Wan 2.1 has no separate temporal attention: each block's self-attention (attn1) runs over
@@ -244,8 +241,8 @@ class Wan(Family):
         )
         from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
+        from kit.families.tiny import write_t5_tokenizer
         from kit.io import atomic_dir
-        from kit.tiny import write_t5_tokenizer
 
         torch.manual_seed(seed)
         with tempfile.TemporaryDirectory() as tmp:

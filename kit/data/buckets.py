@@ -1,0 +1,280 @@
+"""Aspect buckets: which bucket and crop each sample gets, and the batches of an epoch."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kit.config import Config, DataConfig
+from kit.data import video
+from kit.data.scan import Sample, load_samples
+from kit.errors import ConfigError, DataError
+
+
+def make_buckets(
+    resolution: int, resolution_type: str, step: int, max_aspect_ratio: float
+) -> list[tuple[int, int]]:
+    """(width, height) buckets, multiples of `step`, from square to `max_aspect_ratio`."""
+    # The square bucket nearest the resolution is always there, so square images are never cropped.
+    side = max(step, round(resolution / step) * step)
+    out: set[tuple[int, int]] = {(side, side)}
+    if resolution_type == "area":
+        area = resolution * resolution
+        for w in range(step, int(resolution * math.sqrt(max_aspect_ratio)) + step + 1, step):
+            h = max(step, round(area / w / step) * step)
+            if max(w / h, h / w) <= max_aspect_ratio + 1e-6:
+                out.add((w, h))
+                out.add((h, w))
+    else:
+        short = max(step, round(resolution / step) * step)
+        long = short
+        while long / short <= max_aspect_ratio + 1e-6:
+            out.add((long, short))
+            out.add((short, long))
+            long += step
+    return sorted(out, key=lambda wh: (wh[0] / wh[1], wh[0]))
+
+
+def assign_bucket(width: int, height: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The bucket whose aspect ratio is closest (in log space) to the image's."""
+    ar = math.log(width / height)
+    return min(buckets, key=lambda b: (abs(math.log(b[0] / b[1]) - ar), -b[0] * b[1]))
+
+
+@dataclass
+class Placement:
+    """How one image (or clip) is fitted to its bucket."""
+
+    bucket: tuple[int, int]
+    resized: tuple[int, int]
+    crop: tuple[int, int]
+    """(top, left) of the crop in the resized image."""
+    original: tuple[int, int]
+    frames: tuple[int, ...] = ()
+    """The clip's frames taken, in order; empty for an image."""
+    flip: bool = False
+    """Mirrored left to right after the crop."""
+
+    @property
+    def num_frames(self) -> int:
+        """Frames of the sample: 1 for an image."""
+        return len(self.frames) or 1
+
+    def record(self) -> dict[str, Any]:
+        """As plain data; fields at their defaults are left out, so older cache keys still match."""
+        d = asdict(self)
+        if not self.frames:
+            del d["frames"]
+        if not self.flip:
+            del d["flip"]
+        return d
+
+
+def place(
+    sample: Sample,
+    bucket: tuple[int, int],
+    center: bool,
+    seed: int,
+    frame_stride: int = 1,
+    frame_start: str = "first",
+    flip: bool = False,
+) -> Placement:
+    """Resize to cover the bucket, then crop at the centre or a seeded offset; pick a clip's frames.
+
+    With `flip`, a seeded coin per sample decides whether it is mirrored.
+    """
+    bw, bh = bucket
+    scale = max(bw / sample.width, bh / sample.height)
+    rw, rh = max(bw, math.ceil(sample.width * scale)), max(bh, math.ceil(sample.height * scale))
+    if center:
+        top, left = (rh - bh) // 2, (rw - bw) // 2
+    else:
+        rng = random.Random(f"{seed}-{sample.image.as_posix()}")
+        top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
+    frames: tuple[int, ...] = ()
+    if sample.clip:
+        key = f"{seed}-{sample.image.as_posix()}-frames"
+        frames = video.select_frames(
+            sample.total_frames, sample.frames, frame_stride, frame_start, key
+        )
+    mirrored = flip and random.Random(f"{seed}-{sample.image.as_posix()}-flip").random() < 0.5
+    return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height), frames, mirrored)
+
+
+def upscale_needed(sample: Sample, bucket: tuple[int, int]) -> float:
+    """How much the sample must be enlarged to cover the bucket (below 1: it is shrunk)."""
+    return max(bucket[0] / sample.width, bucket[1] / sample.height)
+
+
+GroupKey = tuple[int, int, int]
+"""(width, height, frames): the samples a batch may be drawn from together."""
+
+
+@dataclass
+class BucketPlan:
+    """Every kept sample's bucket and crop, what was dropped and why, and what repeats."""
+
+    buckets: list[tuple[int, int]]
+    placements: list[Placement]
+    samples: list[Sample] = field(default_factory=list)
+    """The samples kept, in the order of `placements`."""
+    dropped: list[tuple[Path, str]] = field(default_factory=list)
+    """(file, reason) of each sample left out of training."""
+    repeats: dict[GroupKey, int] = field(default_factory=dict)
+    """Group → how many times each of its samples appears per epoch (absent: once)."""
+    group_size: int = 1
+    """Samples in one effective batch (batch × accumulation × processes)."""
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        """Images (and clips) per bucket."""
+        return dict(Counter(p.bucket for p in self.placements))
+
+    def frame_counts(self) -> dict[GroupKey, int]:
+        """Samples per (width, height, frames): the groups batches are drawn from."""
+        return dict(Counter(_group(p) for p in self.placements))
+
+    def groups(self) -> dict[GroupKey, list[int]]:
+        """Sample indices per group, in sample order."""
+        out: dict[GroupKey, list[int]] = defaultdict(list)
+        for i, p in enumerate(self.placements):
+            out[_group(p)].append(i)
+        return dict(out)
+
+
+def _group(p: Placement) -> GroupKey:
+    return (*p.bucket, p.num_frames)
+
+
+def group_name(key: GroupKey) -> str:
+    """`512x768`, or `512x768x17f` for clips."""
+    w, h, f = key
+    return f"{w}x{h}" + (f"x{f}f" if f > 1 else "")
+
+
+def bucket_list(cfg: DataConfig, step: int) -> list[tuple[int, int]]:
+    """The configured buckets (`buckets`, checked against the step), else generated ones."""
+    if not cfg.buckets:
+        return make_buckets(cfg.resolution, cfg.resolution_type, step, cfg.max_aspect_ratio)
+    for w, h in cfg.buckets:
+        if w % step or h % step:
+            raise ConfigError(
+                f"buckets: [{w}, {h}] is not a multiple of the bucket step {step} "
+                "(bucket_step, or the model family's alignment)"
+            )
+    return sorted({(w, h) for w, h in cfg.buckets}, key=lambda wh: (wh[0] / wh[1], wh[0]))
+
+
+def plan_buckets(
+    samples: list[Sample], cfg: DataConfig, step: int, seed: int, group_size: int = 1
+) -> BucketPlan:
+    """Assign each sample a bucket and crop (and a clip its frames); drop what cannot train.
+
+    `group_size` is one effective batch: buckets with fewer samples follow `small_bucket_policy`.
+    """
+    step = cfg.bucket_step or step
+    buckets = bucket_list(cfg, step)
+
+    def fit(s: Sample, bucket: tuple[int, int]) -> Placement:
+        return place(
+            s, bucket, cfg.center_crop, seed, cfg.frame_stride, cfg.frame_start, cfg.random_flip
+        )
+
+    plan = BucketPlan(buckets, [], group_size=group_size)
+    for s in samples:
+        bucket = assign_bucket(s.width, s.height, buckets)
+        need = upscale_needed(s, bucket)
+        if need > cfg.max_upscale + 1e-9:
+            plan.dropped.append((s.image, _too_small(need, cfg)))
+            continue
+        plan.samples.append(s)
+        plan.placements.append(fit(s, bucket))
+    if group_size > 1:
+        _small_buckets(plan, cfg, fit)
+    return plan
+
+
+def _too_small(need: float, cfg: DataConfig) -> str:
+    return f"too small: needs {need:.2f}× upscale (max_upscale {cfg.max_upscale:g})"
+
+
+def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any) -> None:
+    """Apply `small_bucket_policy` to groups with fewer samples than one effective batch."""
+    n_eff = plan.group_size
+    groups = plan.groups()
+    small = {k: idx for k, idx in groups.items() if len(idx) < n_eff}
+    if not small:
+        return
+    policy = cfg.small_bucket_policy
+    if policy == "repeat":
+        plan.repeats = {k: math.ceil(n_eff / len(idx)) for k, idx in small.items()}
+        return
+    big = [k for k in groups if k not in small]
+    keep = [True] * len(plan.samples)
+    for key, idx in small.items():
+        why = f"bucket {group_name(key)} has {len(idx)} sample(s), fewer than one effective batch of {n_eff}"
+        targets = [k for k in big if k[2] == key[2]]
+        for i in idx:
+            s = plan.samples[i]
+            if policy == "drop" or not targets:
+                reason = (
+                    f"{why}; small_bucket_policy is drop"
+                    if policy == "drop"
+                    else f"{why}, and no bucket has enough to merge into"
+                )
+                plan.dropped.append((s.image, reason))
+                keep[i] = False
+                continue
+            # The nearest big bucket by aspect ratio (log space), as for assign_bucket.
+            ar = math.log(key[0] / key[1])
+            target = min(targets, key=lambda k: (abs(math.log(k[0] / k[1]) - ar), -k[0] * k[1]))
+            need = upscale_needed(s, target[:2])
+            if need > cfg.max_upscale + 1e-9:
+                plan.dropped.append((s.image, _too_small(need, cfg)))
+                keep[i] = False
+                continue
+            plan.placements[i] = fit(s, target[:2])
+    plan.samples = [s for s, k in zip(plan.samples, keep, strict=True) if k]
+    plan.placements = [p for p, k in zip(plan.placements, keep, strict=True) if k]
+
+
+def plan_dataset(cfg: Config, num_processes: int = 1) -> tuple[list[Sample], BucketPlan]:
+    """Scan the dataset and bucket it with the family's alignment: what training will see.
+
+    The samples returned are the kept ones; `plan.dropped` says what was left out and why.
+    """
+    from kit.families import get_family
+
+    family = get_family(cfg.model.model_family, cfg)
+    samples = load_samples(cfg.data, family)
+    t = cfg.train
+    group = t.train_batch_size * t.gradient_accumulation_steps * num_processes
+    plan = plan_buckets(samples, cfg.data, family.bucket_step, t.seed, group)
+    if not plan.samples:
+        first = plan.dropped[0] if plan.dropped else None
+        why = f" (e.g. {first[0]}: {first[1]})" if first else ""
+        raise DataError(f"every image in {cfg.data.image_dir} was dropped{why}")
+    return plan.samples, plan
+
+
+def epoch_batches(
+    plan: BucketPlan, batch_size: int, seed: int, epoch: int, world: int = 1
+) -> list[list[int]]:
+    """The batches of one epoch, as the trainer runs them: one source of truth for counts.
+
+    Shuffled within groups (a bucket and frame count, so a batch of clips stacks), small groups
+    repeated as planned, batches shuffled; never mixing groups. Process r of `world` takes
+    batches r, r + world, ...; a tail that cannot go to every process is left out (it waits for
+    the next epoch's shuffle), so all processes step together.
+    """
+    rng = random.Random(f"{seed}-epoch-{epoch}")
+    batches = []
+    for key, idx in sorted(plan.groups().items()):
+        idx = idx * plan.repeats.get(key, 1)
+        rng.shuffle(idx)
+        batches += [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+    rng.shuffle(batches)
+    return batches[: len(batches) - len(batches) % world]

@@ -1,0 +1,277 @@
+"""The latent and text-embedding cache: safetensors entries keyed by everything that shapes them.
+
+Latents are keyed by the image's bytes, its placement (bucket, crop, flip, frames), the VAE and
+the dtype; text embeddings by the text, the encoders and tokenizers, and the dtype. Entries are
+written atomically, one at a time, so an interrupted build resumes and never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kit.config import Config
+from kit.data import video
+from kit.data.buckets import BucketPlan, plan_dataset
+from kit.data.images import BadImage
+from kit.data.pixels import sample_pixels
+from kit.data.scan import Sample
+from kit.errors import DataError
+from kit.io import write_with
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/kit`, else `~/.cache/kit`."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kit"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file's bytes (of a frame folder: its frames' names and bytes)."""
+    h = hashlib.sha256()
+    files = video.frame_files(path) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            h.update(file.name.encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda f=f: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+@dataclass
+class CachedDataset:
+    """Samples with their cache files; batches are read from disk on demand."""
+
+    samples: list[Sample]
+    plan: BucketPlan
+    latent_files: list[Path]
+    text_files: list[Path]
+    """Per sample, the embedding of its first caption variant (the caption itself, unaugmented)."""
+    digests: list[str]
+    stats: dict[str, int] = field(default_factory=dict)
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Images dropped while encoding (their pixels failed to decode), with why."""
+    variant_texts: list[list[str]] = field(default_factory=list)
+    """Per sample, the caption variants trained on (one unless augmented `caption_variants`)."""
+    variant_files: list[list[Path]] = field(default_factory=list)
+    """Per sample, the embedding file of each caption variant."""
+    empty_text_file: Path | None = None
+    """The empty caption's embedding (used by caption dropout), when wanted."""
+
+    @property
+    def variants(self) -> int:
+        """Caption variants per sample (the trainer draws one per sample and step)."""
+        return len(self.variant_files[0]) if self.variant_files else 1
+
+    def text_entries(self) -> list[Path]:
+        """Every distinct text-embedding file the dataset uses."""
+        files = {f for fs in self.variant_files for f in fs} | set(self.text_files)
+        if self.empty_text_file is not None:
+            files.add(self.empty_text_file)
+        return sorted(files)
+
+    def missing(self) -> dict[str, int]:
+        """Cache entries not yet written: latents and (distinct) text embeddings."""
+        return {
+            "latents": sum(not f.is_file() for f in self.latent_files),
+            "text": sum(not f.is_file() for f in self.text_entries()),
+        }
+
+    def load_batch(
+        self, indices: list[int], variants: list[int] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Stack the cached tensors of these samples, with each one's size and crop (h, w order).
+
+        `variants` picks each sample's caption variant (default: the first).
+        """
+        out: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for j, i in enumerate(indices):
+            out["latents"].append(load_file(self.latent_files[i])["latents"])
+            text = self.variant_files[i][variants[j]] if variants else self.text_files[i]
+            for k, v in load_file(text).items():
+                out[k].append(v)
+            p = self.plan.placements[i]
+            out["original_size"].append(torch.tensor([p.original[1], p.original[0]]))
+            out["crop_top_left"].append(torch.tensor(list(p.crop)))
+            out["target_size"].append(torch.tensor([p.bucket[1], p.bucket[0]]))
+        return {k: torch.stack(v) for k, v in out.items()}
+
+    def draw_variants(self, n: int, generator: torch.Generator) -> list[int] | None:
+        """One caption variant per sample, from the batch's generator; None (no draw) for one."""
+        if self.variants <= 1:
+            return None  # no draw: the random stream stays as without variants
+        return torch.randint(self.variants, (n,), generator=generator).tolist()
+
+    def empty_text(self) -> dict[str, torch.Tensor]:
+        """The empty caption's cached embedding (caption dropout)."""
+        if self.empty_text_file is None:
+            raise DataError("the empty caption was not cached (build the cache with empty=True)")
+        return load_file(self.empty_text_file)
+
+    def manifest(self) -> list[dict[str, Any]]:
+        """Per-sample record of what was trained on (file, hash, caption, bucket, crop)."""
+        return [
+            {
+                "image": str(s.image),
+                "sha256": d,
+                "caption": s.caption,
+                **{k: list(v) if isinstance(v, tuple) else v for k, v in p.record().items()},
+            }
+            for s, p, d in zip(self.samples, self.plan.placements, self.digests, strict=True)
+        ]
+
+
+def plan_cache(
+    cfg: Config,
+    identity: dict[str, str],
+    dtype: torch.dtype,
+    *,
+    num_processes: int = 1,
+    empty: bool = False,
+) -> CachedDataset:
+    """The dataset and the cache file of every entry it needs, without encoding anything.
+
+    Latents are keyed by the image's bytes, its placement (bucket, crop, flip, frames), the VAE's
+    identity and the dtype; text embeddings by the text, the encoders' and tokenizers' identity
+    and the dtype. A changed image or caption therefore misses exactly its own entries.
+    """
+    from kit.data.augment import augmentation_enabled, caption_variants
+
+    samples, plan = plan_dataset(cfg, num_processes)
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    latent_dir = root / "latents" / identity["vae"]
+    text_dir = root / "text" / identity["text"]
+    digests = [file_digest(s.image) for s in samples]
+    latent_files = [
+        latent_dir / f"{_key(d, p.record(), str(dtype))}.safetensors"
+        for d, p in zip(digests, plan.placements, strict=True)
+    ]
+    augment = augmentation_enabled(cfg.data)
+    texts = [
+        caption_variants(s.caption, cfg.data, cfg.train.seed) if augment else [s.caption]
+        for s in samples
+    ]
+
+    def text_file(text: str) -> Path:
+        return text_dir / f"{_key(text, str(dtype))}.safetensors"
+
+    variant_files = [[text_file(t) for t in ts] for ts in texts]
+    return CachedDataset(
+        samples,
+        plan,
+        latent_files,
+        [text_file(s.caption) for s in samples],
+        digests,
+        variant_texts=texts,
+        variant_files=variant_files,
+        empty_text_file=text_file("") if empty else None,
+    )
+
+
+def fill_cache(
+    data: CachedDataset,
+    cfg: Config,
+    family: Any,
+    comps: Any,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> CachedDataset:
+    """Encode the entries not yet cached, one at a time, each written atomically.
+
+    Interrupted, it resumes where it stopped: entries already written are reused. Memory stays
+    bounded (one image, or 16 captions, at a time). `progress` None shows a bar on a terminal.
+    """
+    import sys
+
+    from tqdm.auto import tqdm
+
+    show = sys.stderr.isatty() if progress is None else progress
+    stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
+    todo = [i for i, f in enumerate(data.latent_files) if not f.is_file()]
+    stats["latents_reused"] = len(data.latent_files) - len(todo)
+    bad: dict[int, str] = {}
+    for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
+        s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
+        try:
+            pixels = sample_pixels(s, p, cfg.data)
+        except BadImage as e:  # a file whose header read fine but whose pixels do not
+            bad[i] = str(e)
+            continue
+        if family.video and pixels.ndim == 3:
+            pixels = pixels.unsqueeze(1)  # a still image is a one-frame clip to a video model
+        pixels = pixels.unsqueeze(0).to(device)
+        lat = family.encode_images(comps, pixels)[0].float().cpu().contiguous()
+        write_with(f, lambda tmp, lat=lat: save_file({"latents": lat}, str(tmp)))
+        stats["latents_encoded"] += 1
+    if bad:
+        _drop_undecodable(data, bad)
+    wanted: dict[Path, str] = {}
+    for ts, fs in zip(data.variant_texts, data.variant_files, strict=True):
+        wanted.update(zip(fs, ts, strict=True))
+    if data.empty_text_file is not None:
+        wanted[data.empty_text_file] = ""
+    missing = [(f, t) for f, t in sorted(wanted.items()) if not f.is_file()]
+    stats["text_reused"] = len(wanted) - len(missing)
+    bar = tqdm(
+        total=len(missing), desc="cache text", unit="caption", disable=not show or not missing
+    )
+    for start in range(0, len(missing), 16):
+        chunk = missing[start : start + 16]
+        with torch.no_grad():
+            enc = family.encode_text(comps, [t for _, t in chunk])
+        for j, (path, _) in enumerate(chunk):
+            tensors = {k: v[j].float().cpu().contiguous() for k, v in enc.items()}
+            write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
+            stats["text_encoded"] += 1
+        bar.update(len(chunk))
+    bar.close()
+    data.stats = stats
+    return data
+
+
+def _drop_undecodable(data: CachedDataset, bad: dict[int, str]) -> None:
+    """Leave out samples whose pixels failed to decode, recording why."""
+    data.skipped = [(data.samples[i].image, why) for i, why in bad.items()]
+    keep = [i for i in range(len(data.samples)) if i not in bad]
+    if not keep:
+        raise DataError(f"no usable images: every image failed to decode ({data.skipped[0][1]})")
+    names = ("samples", "digests", "latent_files", "text_files", "variant_texts", "variant_files")
+    for name in names:
+        setattr(data, name, [getattr(data, name)[i] for i in keep])
+    plan = data.plan
+    plan.dropped = plan.dropped + data.skipped
+    plan.samples = data.samples
+    plan.placements = [plan.placements[i] for i in keep]
+
+
+def build_cache(
+    cfg: Config,
+    family: Any,
+    comps: Any,
+    device: torch.device | str = "cpu",
+    *,
+    num_processes: int = 1,
+    empty: bool = False,
+    dtype: torch.dtype | None = None,
+    progress: bool | None = None,
+) -> CachedDataset:
+    """Scan, bucket and encode the dataset, reusing cache entries made by earlier runs.
+
+    `dtype` is the encoders' (default: the VAE's); `empty` also caches the empty caption.
+    """
+    if dtype is None:
+        dtype = comps.vae.dtype if comps.vae is not None else torch.float32
+    data = plan_cache(cfg, comps.identity, dtype, num_processes=num_processes, empty=empty)
+    return fill_cache(data, cfg, family, comps, device, progress)

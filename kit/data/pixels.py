@@ -1,0 +1,51 @@
+"""The pixels a sample is encoded from: fitted to its bucket, mirrored if placed so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from kit.config import DataConfig
+from kit.data import video
+from kit.data.buckets import Placement
+from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
+from kit.data.scan import Sample
+
+
+def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torch.Tensor:
+    """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so."""
+    pixels = load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+    return pixels.flip(-1) if placement.flip else pixels
+
+
+def load_pixels(
+    path: Path,
+    placement: Placement,
+    background: str = "white",
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> torch.Tensor:
+    """The image fitted to its bucket, (3, H, W) in [-1, 1]; a clip's frames, (3, F, H, W).
+
+    An image that cannot be decoded raises `BadImage`; `background` fills transparent parts.
+    """
+    if placement.frames:
+        frames = video.read_frames(path, placement.frames)
+        return torch.stack([_fit(f, placement) for f in frames], dim=1)
+    try:
+        im = open_rgb(path, background, max_pixels)
+    except BadImage as e:
+        raise BadImage(f"unreadable image {path}: {e}") from None
+    return _fit(im, placement)
+
+
+def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
+    """Resize and crop one picture to its bucket, as a (3, H, W) tensor in [-1, 1]."""
+    im = im.resize(placement.resized, Image.Resampling.LANCZOS)
+    top, left = placement.crop
+    bw, bh = placement.bucket
+    im = im.crop((left, top, left + bw, top + bh))
+    arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(arr).permute(2, 0, 1).contiguous()

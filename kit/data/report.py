@@ -1,0 +1,117 @@
+"""The bucket report: what training will do with the dataset, counted as the trainer counts it."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+from kit.config import Config
+from kit.data.buckets import epoch_batches, group_name, plan_dataset
+
+
+def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
+    """Buckets, dropped images, aspect histogram and batches / steps / epochs of a run.
+
+    `batches_per_epoch` is what each process's loader yields in one epoch (the trainer's own
+    `epoch_batches`), `steps_per_epoch` those divided by the gradient accumulation.
+    """
+    t = cfg.train
+    samples, plan = plan_dataset(cfg, num_processes)
+    video = any(p.frames for p in plan.placements)
+    buckets = []
+    for key, idx in sorted(plan.groups().items()):
+        w, h, frames = key
+        row: dict[str, Any] = {"bucket": group_name(key), "width": w, "height": h}
+        if video:
+            row["frames"] = frames
+        row.update(
+            aspect=round(w / h, 3),
+            count=len(idx),
+            images=len(idx),  # the name earlier versions of `kit buckets --json` used
+            repeats=plan.repeats.get(key, 1),
+            files=[str(samples[i].image) for i in idx],
+        )
+        buckets.append(row)
+    # Every epoch has the same number of batches; epoch 0 stands for all.
+    total = len(epoch_batches(plan, t.train_batch_size, t.seed, 0, num_processes))
+    per_process = total // num_processes
+    accum = t.gradient_accumulation_steps
+    steps = per_process / accum
+    return {
+        "images": len(samples),
+        "buckets": buckets,
+        "dropped": [{"file": str(f), "reason": why} for f, why in plan.dropped],
+        "aspect_histogram": aspect_histogram([s.width / s.height for s in samples]),
+        "small_bucket_policy": cfg.data.small_bucket_policy,
+        "processes": num_processes,
+        "train_batch_size": t.train_batch_size,
+        "gradient_accumulation_steps": accum,
+        "effective_batch": plan.group_size,
+        "batches_per_epoch": per_process,
+        "batches_all_processes": total,
+        "steps_per_epoch": round(steps, 3),
+        "max_train_steps": t.max_train_steps,
+        # Micro-batches carry over epoch ends, so the run needs steps × accumulation batches.
+        "epochs": math.ceil(t.max_train_steps * accum / per_process) if per_process else None,
+    }
+
+
+def aspect_histogram(aspects: list[float], bins: int = 12) -> list[dict[str, Any]]:
+    """Counts of aspect ratios (width / height) in equal bins of log aspect ratio."""
+    if not aspects:
+        return []
+    lo, hi = math.log(min(aspects)), math.log(max(aspects))
+    if hi - lo < 1e-9:
+        return [
+            {"from": round(min(aspects), 3), "to": round(max(aspects), 3), "count": len(aspects)}
+        ]
+    width = (hi - lo) / bins
+    counts = Counter(min(bins - 1, int((math.log(a) - lo) / width)) for a in aspects)
+    return [
+        {
+            "from": round(math.exp(lo + i * width), 3),
+            "to": round(math.exp(lo + (i + 1) * width), 3),
+            "count": counts.get(i, 0),
+        }
+        for i in range(bins)
+    ]
+
+
+def report_figure(report: dict[str, Any]):
+    """Images per bucket, and the histogram of the images' aspect ratios."""
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3))
+    a.bar([r["bucket"] for r in report["buckets"]], [r["count"] for r in report["buckets"]])
+    a.set_title("images per bucket")
+    a.tick_params(axis="x", rotation=45)
+    hist = report["aspect_histogram"]
+    labels = [f"{h['from']:.2f}" for h in hist]
+    b.bar(labels, [h["count"] for h in hist])
+    b.set_title("image aspect ratio (width / height, bin start)")
+    b.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's result
+    return fig
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    """The report as a plain-text table and summary."""
+    lines = [f"{'bucket':>14}  {'aspect':>6}  {'images':>6}  repeats"]
+    for b in report["buckets"]:
+        lines.append(f"{b['bucket']:>14}  {b['aspect']:>6}  {b['count']:>6}  {b['repeats']}")
+    for d in report["dropped"]:
+        lines.append(f"dropped {d['file']}: {d['reason']}")
+    lines.append(
+        f"{report['images']} image(s) train, {len(report['dropped'])} dropped; "
+        f"effective batch {report['effective_batch']} "
+        f"({report['train_batch_size']} × {report['gradient_accumulation_steps']} accumulation × "
+        f"{report['processes']} process(es), small buckets: {report['small_bucket_policy']})"
+    )
+    lines.append(
+        f"{report['batches_per_epoch']} batch(es) per process per epoch = "
+        f"{report['steps_per_epoch']} optimizer step(s) per epoch; "
+        f"{report['max_train_steps']} steps take {report['epochs']} epoch(s)"
+    )
+    return lines

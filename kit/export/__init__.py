@@ -1,0 +1,1 @@
+"""Exports for each client, verified by that client's rules."""

@@ -1,0 +1,47 @@
+"""Loading a configured base model (local folder or hub id), only the parts a caller needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit.config import Config
+from kit.errors import KitError
+from kit.families import Components, Family, get_family
+from kit.families.base import PARTS
+
+
+def load_base(
+    cfg: Config, dtype: torch.dtype = torch.float32, parts: tuple[str, ...] = PARTS
+) -> tuple[Family, Components]:
+    """The configured family and its loaded base model (only `parts` of it, see `PARTS`)."""
+    family = get_family(cfg.model.model_family, cfg)
+    try:
+        comps = family.load(
+            cfg.model.pretrained_model,
+            revision=cfg.model.revision,
+            variant=cfg.model.variant,
+            dtype=dtype,
+            parts=parts,
+        )
+    except (OSError, ValueError) as e:
+        raise KitError(
+            f"cannot load pretrained_model '{cfg.model.pretrained_model}': {e}"
+        ) from None
+    return family, comps
+
+
+def ensure_base_model(cfg: Any, create_tiny: bool = False) -> str:
+    """Say where the base model comes from; write a tiny one if asked and the folder is missing."""
+    source = cfg.model.pretrained_model
+    local = Path(source)
+    if local.is_dir():
+        return f"local base model: {local}"
+    if local.is_absolute() and create_tiny:
+        get_family(cfg.model.model_family, cfg).make_tiny(local)
+        return f"wrote a tiny random-init {cfg.model.model_family} base model to {local}"
+    if local.is_absolute():
+        raise KitError(f"pretrained_model folder not found: {local}")
+    return f"hub model: {source} (downloaded on first use)"

@@ -1,0 +1,1 @@
+"""Before a run: the planner and the memory estimate."""

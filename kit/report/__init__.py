@@ -1,0 +1,1 @@
+"""After a run: the doctor, the run archive, plots."""

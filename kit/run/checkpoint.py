@@ -1,0 +1,165 @@
+"""Complete training state on disk: written to a temporary folder, marked, then renamed."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kit.errors import KitError
+from kit.run.folder import RunDir
+
+MARKER = "COMPLETE"
+ADAPTER_FILE = "adapter.safetensors"
+EMA_FILE = "adapter_ema.safetensors"
+SHARDED_DIR = "deepspeed"
+"""Under DeepSpeed ZeRO: every process's part of the optimizer state (the engine's own format),
+in place of `optimizer.pt`."""
+_CORE = {"optimizer", "scheduler", "rng"}
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives."""
+    return RunDir(Path(run_dir)).checkpoint(step)
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; incomplete ones are skipped with a warning."""
+    root = RunDir(Path(run_dir)).checkpoints
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(root.iterdir()):
+        m = _NAME.match(d.name)
+        if not m or not d.is_dir():
+            continue
+        if (d / MARKER).is_file():
+            out.append(d)
+        else:
+            warnings.warn(f"skipping incomplete checkpoint {d} (no {MARKER} marker)", stacklevel=2)
+    return sorted(out, key=lambda d: int(_NAME.match(d.name).group(1)))  # type: ignore[union-attr]
+
+
+def resolve_resume(run_dir: Path, resume: str) -> Path | None:
+    """`latest` → newest complete checkpoint (or None); else the named folder, which must be complete."""
+    if resume == "latest":
+        found = list_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / MARKER).is_file():
+        raise KitError(f"not a complete checkpoint: {path} (no {MARKER} marker)")
+    return path
+
+
+def rng_state(generator: torch.Generator) -> dict[str, Any]:
+    """Every random state that training draws from."""
+    state = {
+        "torch": torch.get_rng_state(),
+        "generator": generator.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
+    """Restore what `rng_state` saved."""
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["generator"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    adapter: dict[str, torch.Tensor],
+    optimizer: Any,
+    lr_scheduler: Any,
+    generator: torch.Generator,
+    progress: dict[str, Any],
+    keep: int = 0,
+    extras: dict[str, Any] | None = None,
+    ema_weights: dict[str, torch.Tensor] | None = None,
+    folders: dict[str, Path] | None = None,
+) -> Path:
+    """Write the full state of `step`; the folder appears only once complete.
+
+    `extras` are further states (EMA, gradient scaler), each saved as `<name>.pt`;
+    `ema_weights` are the averaged trained weights, saved beside the raw ones. `folders` are
+    finished folders (name → where they were written) moved in before the checkpoint is marked
+    complete: the DeepSpeed state that every process wrote. `optimizer` is None when that
+    state holds the optimizer's.
+    """
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        save_file(adapter, str(tmp / ADAPTER_FILE))
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_state(generator), tmp / "rng.pt")
+        for name, state in (extras or {}).items():
+            torch.save(state, tmp / f"{name}.pt")
+        if ema_weights is not None:
+            save_file(ema_weights, str(tmp / EMA_FILE))
+        (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
+        for name, folder in (folders or {}).items():
+            shutil.move(str(folder), str(tmp / name))
+        (tmp / MARKER).write_text(str(step))
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = list_checkpoints(run_dir)
+        kept = (
+            f"the previous checkpoint {previous[-1]} is intact"
+            if previous
+            else "no earlier checkpoint exists"
+        )
+        raise KitError(f"could not write the checkpoint of step {step} ({e}); {kept}") from None
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    if keep > 0:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """Read a checkpoint folder back into memory (extras under `extras`).
+
+    `optimizer` is None for a DeepSpeed checkpoint: its optimizer state is in `SHARDED_DIR`,
+    split by process, and only the DeepSpeed engine reads it back.
+    """
+    optimizer = path / "optimizer.pt"
+    return {
+        "adapter": load_file(str(path / ADAPTER_FILE)),
+        "ema_weights": load_file(str(path / EMA_FILE)) if (path / EMA_FILE).is_file() else None,
+        "optimizer": torch.load(optimizer, weights_only=True) if optimizer.is_file() else None,
+        "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
+        "rng": torch.load(path / "rng.pt", weights_only=True),
+        "progress": json.loads((path / "progress.json").read_text()),
+        "extras": {
+            f.stem: torch.load(f, weights_only=True)
+            for f in sorted(path.glob("*.pt"))
+            if f.stem not in _CORE
+        },
+    }
+
+
+def exported_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights to export from a checkpoint: the EMA average when there is one."""
+    ema = path / EMA_FILE
+    return load_file(str(ema if ema.is_file() else path / ADAPTER_FILE))

@@ -1,0 +1,108 @@
+"""The layout of a run folder, shared by training, validation, export and the notebooks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kit.errors import KitError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run folder."""
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.json"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "dataset_manifest.json"
+
+    @property
+    def data_report(self) -> Path:
+        """Every dataset file skipped or changed, with why (a JSON list of file and reason)."""
+        return self.root / "data_report.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "logs" / "metrics.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def validation(self) -> Path:
+        return self.root / "validation"
+
+    @property
+    def exports(self) -> Path:
+        return self.root / "exports"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.root / "loss.png"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The folder of every checkpoint, `step-NNNNNN` each."""
+        return self.root / "checkpoints"
+
+    @property
+    def doctor_report(self) -> Path:
+        return self.root / "doctor.json"
+
+    @property
+    def archive(self) -> Path:
+        return self.root / "archive.json"
+
+    def checkpoint(self, step: int) -> Path:
+        """Where the checkpoint of `step` lives."""
+        return self.checkpoints / f"step-{step:06d}"
+
+    def staged_checkpoint_part(self, step: int, part: str) -> Path:
+        """A hidden folder where every process writes its share of `part` before the checkpoint
+        of `step` is assembled (multi-process sharded state)."""
+        return self.checkpoints / f".step-{step:06d}.{part}.tmp"
+
+    def process_log(self, rank: int) -> Path:
+        """Per-process record of a multi-process run."""
+        return self.logs / f"process-{rank}.jsonl"
+
+    def validation_step(self, step: int) -> Path:
+        """Folder of the validation images drawn at `step`."""
+        return self.validation / f"step-{step:06d}"
+
+    def validation_scales(self, checkpoint_name: str) -> Path:
+        """Folder of a checkpoint's images drawn at several adapter scales."""
+        return self.validation / f"{checkpoint_name}-scales"
+
+    def scale_folders(self) -> list[Path]:
+        """Every folder written by `validation_scales`, in name order."""
+        return sorted(self.validation.glob("*-scales")) if self.validation.is_dir() else []
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """Every logged row of the metrics file."""
+        if not self.metrics.is_file():
+            return []
+        rows = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+        return rows
+
+
+def open_run(path: str | Path) -> RunDir:
+    """A run folder that training has written, or a clear error."""
+    run = RunDir(Path(path))
+    if not run.config.is_file():
+        raise KitError(f"not a run folder (no config.json): {path}")
+    return run

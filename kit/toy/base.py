@@ -1,0 +1,446 @@
+"""The toy base model: a small SD1.5-architecture pipeline trained from scratch on the toy world.
+
+Run `python -m kit.toy.base models/toy-sd15` to rebuild the committed base. The recipe is this one
+file, read top to bottom:
+
+1. Data. The toy world at 64x64 px has exactly 324 distinct scenes (6 colors x 3 shapes x 2 sizes
+   x 3 backgrounds x 3 positions), so every image is rendered once and kept in memory.
+2. VAE (AutoencoderKL, 4x downscale, 4 latent channels) trained on reconstruction with a tiny KL
+   weight, the shape's pixels weighted above the background's. Half of each batch is random
+   polygons of random colors: a codec should code any flat shape in any color, so that a later
+   fine-tune can teach a color (the pink `zorbic`) that the denoiser has never drawn. Trained on
+   the six toy colors alone, it decoded every other color as the nearest of them.
+3. Text encoder (a 2-layer CLIP) and UNet trained together from scratch on the v objective
+   with the original DDPM noise schedule (linear betas: almost no signal left at t = T, so a
+   plain-white or plain-black image can be drawn from pure noise). Not epsilon: at high noise
+   predicting the noise is nearly free (it is almost the input), so an epsilon model learns
+   little where the layout is decided, and its samples ignore the prompt; v asks for the clean
+   image there. 10% of captions are dropped to "" so classifier-free guidance works. An EMA of
+   the weights is what gets saved.
+4. The VAE's decoder alone trains a little more on the frozen encoder's latents (the UNet's
+   latents stay valid), slightly noised so that it forgives the UNet's errors; half of its batch
+   is random polygons too, so that it keeps every color.
+
+Single-threaded torch (`OMP_NUM_THREADS=1`) ran it fastest on a shared 2-core machine.
+
+The text encoder trains jointly rather than staying random: a random encoder mixes words through
+its causal attention, and the UNet then has to untangle them; training it lets each word's token
+carry its own meaning after a few minutes. Its token embeddings get no weight decay, so words the
+toy world never uses (such as the letters of `zorbic`) keep the same scale as the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import platform
+import random
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+
+from kit.toy import world as toyworld
+
+SIZE = 64
+"""Side of the training images in pixels."""
+BETAS = {"beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear"}
+"""The original DDPM schedule (see the module docstring)."""
+TOKENS = 32
+"""Token slots per caption: the longest toy caption takes 25 with its start and end marks."""
+RECIPE = {
+    "seed": 0,
+    "vae_steps": 1500,
+    "vae_batch": 8,
+    "vae_lr": 3e-3,
+    "vae_kl_weight": 1e-6,
+    "vae_polygon_share": 0.5,
+    "unet_steps": 4000,
+    "unet_batch": 24,
+    "unet_lr": 1.5e-3,
+    "warmup_steps": 50,
+    "caption_dropout": 0.1,
+    "decoder_steps": 300,
+    "decoder_lr": 2e-3,
+    "ema_decay": 0.995,
+    "prediction_type": "v_prediction",
+}
+"""Every number that decides the result; `--vae-steps`, `--unet-steps`, `--decoder-steps` override
+the step counts (for a quick try; the committed base uses these)."""
+
+
+def scenes() -> list[toyworld.Scene]:
+    """Every distinct scene of the toy world (no concept shapes)."""
+    return [
+        toyworld.Scene(color=c, shape=sh, size=si, background=b, position=p)
+        for c, sh, si, b, p in itertools.product(
+            toyworld.COLORS,
+            toyworld.SHAPES,
+            toyworld.SIZES,
+            toyworld.BACKGROUNDS,
+            toyworld.POSITIONS,
+        )
+    ]
+
+
+def to_tensor(images: Sequence[Image.Image]) -> torch.Tensor:
+    """RGB images as a float tensor in [-1, 1], shape (n, 3, h, w)."""
+    arr = np.stack([np.asarray(im.convert("RGB"), dtype=np.float32) for im in images])
+    return torch.from_numpy(arr).permute(0, 3, 1, 2) / 127.5 - 1.0
+
+
+def random_polygon(rng: random.Random, size: int = SIZE) -> Image.Image:
+    """A random flat polygon of a random color on a plain background (VAE training only)."""
+    k = 4
+    bg = rng.choice(list(toyworld.BACKGROUNDS.values()))
+    image = Image.new("RGB", (size * k, size * k), bg)
+    n = rng.randint(3, 12)
+    cx, cy = rng.uniform(0.2, 0.8) * size * k, rng.uniform(0.3, 0.7) * size * k
+    radius = rng.uniform(0.1, 0.35) * size * k
+    angles = sorted(rng.uniform(0, 2 * math.pi) for _ in range(n))
+    points = [
+        (
+            cx + radius * rng.uniform(0.3, 1.0) * math.cos(a),
+            cy + radius * rng.uniform(0.3, 1.0) * math.sin(a),
+        )
+        for a in angles
+    ]
+    fill = tuple(rng.randrange(256) for _ in range(3))
+    ImageDraw.Draw(image).polygon(points, fill=fill)
+    return image.reduce(k)
+
+
+def build_vae():
+    """A 4x-downscale AutoencoderKL with 4 latent channels."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        # One group: with a channel per group, GroupNorm wipes each channel's level over the
+        # image, and a flat background's color is nothing but that level.
+        norm_num_groups=1,
+        sample_size=SIZE,
+    )
+
+
+def build_tokenizer(out_dir: Path):
+    """The kit's offline CLIP tokenizer (every toy-world word is one token)."""
+    from transformers import CLIPTokenizer
+
+    from kit.families.tiny import write_clip_tokenizer_files
+
+    write_clip_tokenizer_files(out_dir)
+    return CLIPTokenizer.from_pretrained(str(out_dir), model_max_length=TOKENS)
+
+
+def build_text_encoder(tokenizer):
+    """A 2-layer CLIP text encoder, 64 wide."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=77,
+            projection_dim=64,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    )
+
+
+def build_unet():
+    """A UNet of about 1M parameters on 16x16 latents."""
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=SIZE // 4,
+        in_channels=4,
+        out_channels=4,
+        # Attention only at 8x8: cheap on a CPU, and still wide enough to place a shape.
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=64,
+        attention_head_dim=8,
+        # Few channels per group lose the latents' levels (the background); 4 to 8 keep them.
+        norm_num_groups=8,
+    )
+
+
+def _lr(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then cosine down to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _weighted(recon: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """L1 + MSE where the shape's pixels count four times the background's.
+
+    A shape covers a tenth of the image or less; unweighted, the VAE learns the layout long
+    before it learns to tell the six colors apart.
+    """
+    background = x[:, :, :1, :1]
+    weight = 1.0 + 3.0 * ((x - background).abs().amax(dim=1, keepdim=True) > 0.1).float()
+    err = (recon - x).abs() + (recon - x) ** 2
+    return (weight * err).mean() / weight.mean()
+
+
+def _polygons(rng: random.Random, n: int) -> torch.Tensor:
+    """n random polygons as a batch in [-1, 1]."""
+    return to_tensor([random_polygon(rng) for _ in range(n)])
+
+
+def train_vae(images: torch.Tensor, steps: int, seed: int, log=print):
+    """Reconstruction (weighted L1 + MSE) with a tiny KL term; part of each batch is random polygons."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    vae = build_vae()
+    opt = torch.optim.AdamW(vae.parameters(), lr=RECIPE["vae_lr"], weight_decay=0.0)
+    batch = RECIPE["vae_batch"]
+    polygons = round(batch * RECIPE["vae_polygon_share"])
+    g = torch.Generator().manual_seed(seed)
+    start = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, RECIPE["vae_lr"], 50)
+        idx = torch.randint(0, len(images), (batch - polygons,), generator=g)
+        x = torch.cat([images[idx], _polygons(rng, polygons)])
+        dist = vae.encode(x).latent_dist
+        recon = vae.decode(dist.sample(generator=g)).sample
+        kl = dist.kl().mean() / x[0].numel()
+        loss = _weighted(recon, x) + RECIPE["vae_kl_weight"] * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"vae step {step}/{steps} loss {loss.item():.4f} ({time.time() - start:.0f}s)")
+    vae.eval().requires_grad_(False)
+    with torch.no_grad():
+        latents = torch.cat([vae.encode(x).latent_dist.mean for x in images.split(64)])
+    # Unit variance for the denoiser, as SD1.5's 0.18215 does for its VAE.
+    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
+    return vae, latents * vae.config.scaling_factor
+
+
+def train_denoiser(
+    latents: torch.Tensor, captions: list[str], tokenizer, steps: int, seed: int, log=print
+):
+    """Text encoder and UNet together on the v objective; returns their EMA copies."""
+    from diffusers import DDPMScheduler
+
+    from kit.families.noise import ddpm_noise_and_target
+
+    torch.manual_seed(seed)
+    text_encoder, unet = build_text_encoder(tokenizer), build_unet()
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000, prediction_type=RECIPE["prediction_type"], **BETAS
+    )
+    ids = tokenizer(
+        captions + [""],
+        padding="max_length",
+        max_length=TOKENS,
+        truncation=True,
+        return_tensors="pt",
+    ).input_ids
+    empty = len(captions)
+    embed_params = [p for n, p in text_encoder.named_parameters() if "embeddings" in n]
+    embed_ids = {id(p) for p in embed_params}
+    rest = [
+        p
+        for p in itertools.chain(text_encoder.parameters(), unet.parameters())
+        if id(p) not in embed_ids
+    ]
+    opt = torch.optim.AdamW(
+        [{"params": embed_params, "weight_decay": 0.0}, {"params": rest, "weight_decay": 0.01}],
+        lr=RECIPE["unet_lr"],
+    )
+    ema = [
+        copy.deepcopy(text_encoder).requires_grad_(False),
+        copy.deepcopy(unet).requires_grad_(False),
+    ]
+    g = torch.Generator().manual_seed(seed + 1)
+    batch = RECIPE["unet_batch"]
+    start, avg = time.time(), None
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, RECIPE["unet_lr"], RECIPE["warmup_steps"])
+        idx = torch.randint(0, len(captions), (batch,), generator=g)
+        drop = torch.rand(batch, generator=g) < RECIPE["caption_dropout"]
+        tok = ids[torch.where(drop, torch.full_like(idx, empty), idx)]
+        draw = ddpm_noise_and_target(scheduler, latents[idx], g)
+        cond = text_encoder(tok)[0]
+        pred = unet(draw.noisy, draw.timesteps, encoder_hidden_states=cond).sample
+        loss = F.mse_loss(pred, draw.target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(
+            list(text_encoder.parameters()) + list(unet.parameters()), 1.0
+        )
+        opt.step()
+        # Warm the EMA up: early on it would otherwise hold mostly the random init.
+        decay = min(RECIPE["ema_decay"], (1 + step) / (10 + step))
+        with torch.no_grad():
+            for live, slow in zip((text_encoder, unet), ema, strict=True):
+                for p, q in zip(live.parameters(), slow.parameters(), strict=True):
+                    q.lerp_(p, 1 - decay)
+        avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"unet step {step}/{steps} loss {avg:.4f} ({time.time() - start:.0f}s)")
+    return ema[0].eval(), ema[1].eval()
+
+
+def finetune_decoder(vae, images: torch.Tensor, steps: int, seed: int, log=print):
+    """Train the decoder alone on the frozen encoder's latents (as SD's ft-MSE VAE was made).
+
+    The encoder, and so every latent the UNet learned, stays as it is; the decoder gets more
+    steps to learn colors, on slightly noised latents so that it forgives the UNet's errors.
+    """
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + 2)
+    rng = random.Random(seed + 2)
+    with torch.no_grad():
+        latents = torch.cat([vae.encode(x).latent_dist.mean for x in images.split(64)])
+    decoder = [vae.decoder, vae.post_quant_conv]
+    params = [p for m in decoder for p in m.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=RECIPE["decoder_lr"], weight_decay=0.0)
+    batch, start = RECIPE["vae_batch"] * 2, time.time()
+    polygons = round(batch * RECIPE["vae_polygon_share"])
+    noise_scale = 0.05 * float(latents.std())
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, steps, RECIPE["decoder_lr"], 20)
+        idx = torch.randint(0, len(images), (batch - polygons,), generator=g)
+        extra = _polygons(rng, polygons)
+        with torch.no_grad():
+            z = torch.cat([latents[idx], vae.encode(extra).latent_dist.mean])
+        z = z + noise_scale * torch.randn(z.shape, generator=g)
+        recon = vae.decode(z).sample
+        loss = _weighted(recon, torch.cat([images[idx], extra]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"decoder step {step}/{steps} loss {loss.item():.4f} ({time.time() - start:.0f}s)")
+    vae.eval().requires_grad_(False)
+    return vae
+
+
+def build(
+    out_dir: str | Path,
+    seed: int = 0,
+    vae_steps: int | None = None,
+    unet_steps: int | None = None,
+    decoder_steps: int | None = None,
+) -> Path:
+    """Train every part from scratch and save a StableDiffusionPipeline (safetensors) in out_dir."""
+    import diffusers
+    import transformers
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    from kit.io import atomic_dir, write_json
+
+    vae_steps = RECIPE["vae_steps"] if vae_steps is None else vae_steps
+    unet_steps = RECIPE["unet_steps"] if unet_steps is None else unet_steps
+    decoder_steps = RECIPE["decoder_steps"] if decoder_steps is None else decoder_steps
+    torch.manual_seed(seed)
+    start = time.time()
+    world = scenes()
+    images = to_tensor([toyworld.render(s, SIZE, SIZE) for s in world])
+    captions = [toyworld.caption(s) for s in world]
+    vae, latents = train_vae(images, vae_steps, seed)
+    vae_minutes = (time.time() - start) / 60
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = build_tokenizer(Path(tmp))
+    text_encoder, unet = train_denoiser(latents, captions, tokenizer, unet_steps, seed)
+    vae = finetune_decoder(vae, images, decoder_steps, seed)
+    sampler = DDIMScheduler(
+        num_train_timesteps=1000,
+        clip_sample=False,
+        set_alpha_to_one=True,
+        timestep_spacing="trailing",
+        prediction_type=RECIPE["prediction_type"],
+        **BETAS,
+    )
+    pipe = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=sampler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    recipe = {
+        **RECIPE,
+        "seed": seed,
+        "vae_steps": vae_steps,
+        "unet_steps": unet_steps,
+        "decoder_steps": decoder_steps,
+        "image_size": SIZE,
+        "noise_schedule": BETAS,
+        "vae_minutes": round(vae_minutes, 1),
+        "total_minutes": round((time.time() - start) / 60, 1),
+        "threads": torch.get_num_threads(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "diffusers": diffusers.__version__,
+            "transformers": transformers.__version__,
+        },
+        "command": f"python -m kit.toy.base {out_dir} --seed {seed}",
+    }
+    with atomic_dir(out_dir) as tmp_dir:
+        pipe.save_pretrained(tmp_dir, safe_serialization=True)
+        write_json(Path(tmp_dir) / "recipe.json", recipe)
+    print(json.dumps(recipe, indent=2))
+    return Path(out_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: train the toy base model into OUT_DIR."""
+    parser = argparse.ArgumentParser(prog="python -m kit.toy.base", description=build.__doc__)
+    parser.add_argument("out_dir", help="folder for the pipeline (diffusers layout)")
+    parser.add_argument("--seed", type=int, default=RECIPE["seed"], help="random seed")
+    parser.add_argument("--vae-steps", type=int, default=None, help="VAE steps (default: recipe)")
+    parser.add_argument("--unet-steps", type=int, default=None, help="UNet steps (default: recipe)")
+    parser.add_argument(
+        "--decoder-steps", type=int, default=None, help="decoder steps (default: recipe)"
+    )
+    args = parser.parse_args(argv)
+    build(
+        args.out_dir,
+        seed=args.seed,
+        vae_steps=args.vae_steps,
+        unet_steps=args.unet_steps,
+        decoder_steps=args.decoder_steps,
+    )
+
+
+if __name__ == "__main__":
+    main()

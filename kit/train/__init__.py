@@ -1,0 +1,1 @@
+"""The training loop: prepare, fit, one micro-step; resume, accelerate, objective."""

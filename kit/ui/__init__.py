@@ -1,0 +1,1 @@
+"""Notebook front-ends: widgets, config forms, the training panel, headless runs."""
