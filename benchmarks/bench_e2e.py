@@ -8,7 +8,7 @@ Measured in one run, reported as ratios:
    encoder run on every batch. Steady-state steps/s (after warm-up steps) and end-to-end seconds
    (load, data, training, saving the LoRA, one small validation image), the kit with a cold
    and with a warm latent cache;
-2. the estimator: `kit.preflight.memory.estimate` of the shipped SDXL architecture at 1024 px, the first
+2. the estimator: `kit.preflight.estimate.estimate` of the shipped SDXL architecture at 1024 px, the first
    call (one traced step on the meta device) against a repeat read from its cache.
 
 Usage: python benchmarks/bench_e2e.py [--steps N] [--warmup N] [--resolution R] [--skip-estimate]
@@ -229,7 +229,7 @@ def estimator() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["KIT_VRAM_CACHE"] = tmp
         from kit.config import from_dict
-        from kit.preflight import memory
+        from kit.preflight import estimate as memory
 
         cfg = from_dict(
             {
@@ -243,7 +243,7 @@ def estimator() -> dict[str, Any]:
         start = time.perf_counter()
         first = memory.estimate(cfg)
         first_s = time.perf_counter() - start
-        memory._MEMO.clear()  # a new process: only the disk cache remains
+        memory.forget_traces()  # a new process: only the disk cache remains
         start = time.perf_counter()
         again = memory.estimate(cfg)
         repeat_s = time.perf_counter() - start

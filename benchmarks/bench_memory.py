@@ -92,7 +92,7 @@ def child(spec: dict) -> None:
     import torch
 
     from kit.logs import quiet_libraries
-    from kit.preflight.memory import real_step
+    from kit.preflight.measure import real_step
 
     quiet_libraries()
     torch.set_num_threads(2)
@@ -140,7 +140,7 @@ def main() -> None:
         return
 
     from kit.logs import quiet_libraries
-    from kit.preflight.memory import estimate
+    from kit.preflight.estimate import estimate
 
     quiet_libraries()
     os.environ.setdefault("KIT_VRAM_CACHE", tempfile.mkdtemp(prefix="kit-vram-"))

@@ -22,7 +22,7 @@ from kit.data.cache import build_cache
 from kit.data.pixels import load_pixels
 from kit.families import get_family
 from kit.logs import quiet_libraries
-from kit.methods.network import attach, trainable_parameters
+from kit.methods import get_method
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,8 +63,9 @@ def measure(steps: int, resolution: int, checkpointing: bool = True) -> dict[str
         )
         comps = family.load(str(base))
         data = build_cache(cfg, family, comps)
-        attach(cfg, family, comps)
-        opt = torch.optim.AdamW(list(trainable_parameters(comps.denoiser)), lr=1e-4)
+        method = get_method(cfg, family)
+        method.attach(comps)
+        opt = torch.optim.AdamW(method.parameters(comps), lr=1e-4)
         gen = torch.Generator().manual_seed(0)
         batches = epoch_batches(data.plan, 2, 0, 0)
         state = {"i": 0}

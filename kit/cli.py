@@ -150,7 +150,8 @@ def cmd_buckets(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from kit.preflight.memory import GIB, GPUS, advise, estimate
+    from kit.preflight.advice import advise
+    from kit.preflight.estimate import GIB, GPUS, estimate
 
     cfg = _config(args)
     est = estimate(cfg)
@@ -188,7 +189,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_network(args: argparse.Namespace) -> int:
-    from kit.methods.network import preview
+    from kit.methods import preview
 
     summary = preview(_config(args))
     if args.json:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
 import json
 import re
 import textwrap
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -23,7 +21,8 @@ from typing import Any, Literal
 
 from PIL import ImageColor
 
-from kit.errors import ConfigError
+from kit.errors import ConfigError, did_you_mean
+from kit.io import absolute_path, read_json_or_yaml, write_json
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
 
@@ -205,12 +204,6 @@ class NetworkConfig:
             raise ConfigError(f"lora_dropout: {self.lora_dropout} must be in [0, 1)")
         if not 0.0 <= self.module_dropout < 1.0:
             raise ConfigError(f"module_dropout: {self.module_dropout} must be in [0, 1)")
-        if self.network_type == "textual_inversion" and not (
-            self.placeholder_tokens and self.initializer_token
-        ):
-            raise ConfigError(
-                "network_type textual_inversion needs placeholder_tokens and initializer_token"
-            )
 
 
 @dataclass
@@ -366,9 +359,7 @@ class Config:
     def to_dict(self, flat: bool = False) -> dict[str, Any]:
         """The config as plain data, sectioned or flat."""
         d = dataclasses.asdict(self)
-        if flat:
-            return {k: v for sec in d.values() for k, v in sec.items()}
-        return d
+        return flat_config(d) if flat else d
 
     def get(self, name: str) -> Any:
         """A field by its unique name, whatever its section."""
@@ -380,8 +371,6 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         """Write the config as sectioned JSON (atomic)."""
-        from kit.io import write_json
-
         write_json(path, self.to_dict())
 
 
@@ -437,9 +426,7 @@ def _unknown(key: str, valid: list[str], where: str = "") -> str:
             "which is copied into the run folder; set the HF_TOKEN environment variable instead "
             "(or run `hf auth login`)"
         )
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return f"unknown config key '{key}'{where}{hint}"
+    return f"unknown config key '{key}'{where}{did_you_mean(key, valid)}"
 
 
 def _type_name(tp: Any) -> str:
@@ -466,8 +453,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         )
     if origin is Literal:
         if value not in args:
-            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
+            hint = did_you_mean(str(value), [str(a) for a in args])
             choices = ", ".join(repr(a) for a in args)
             raise ConfigError(f"{key}: {value!r} is not one of {choices}{hint}")
         return value
@@ -495,6 +481,18 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def flat_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A config's plain data, sectioned or flat, as one flat mapping, taking every key as it is:
+    unlike loading, it reads a config saved by another version of the kit."""
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            out.update(v)
+        else:
+            out[k] = v
+    return out
 
 
 def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
@@ -543,7 +541,7 @@ def from_dict(raw: dict[str, Any], base_dir: str | Path | None = None) -> Config
         sec, f = index[key]
         value = _coerce(key, value, hints[sec][key])
         if base_dir is not None and f.metadata.get("path") and value:
-            value = str(_resolve(value, base_dir))
+            value = str(absolute_path(value, base_dir))
         per_section[sec][key] = value
     if base_dir is not None and "pretrained_model" in flat:
         per_section["model"]["pretrained_model"] = resolve_model_path(
@@ -552,39 +550,16 @@ def from_dict(raw: dict[str, Any], base_dir: str | Path | None = None) -> Config
     return Config(**{sec: SECTIONS[sec](**vals) for sec, vals in per_section.items()})
 
 
-def _resolve(value: str, base_dir: str | Path) -> Path:
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else (Path(base_dir) / p).resolve()
-
-
 def resolve_model_path(value: str, base_dir: str | Path) -> str:
     """A local path (made absolute) when the value names one, else the hub id unchanged."""
     looks_local = value.startswith((".", "/", "~")) or (Path(base_dir) / value).exists()
-    return str(_resolve(value, base_dir)) if looks_local else value
+    return str(absolute_path(value, base_dir)) if looks_local else value
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Config:
     """Read a JSON (or YAML) config file; relative paths are taken from the file's folder."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError(f"{path}: reading YAML needs pyyaml (pip install pyyaml)") from None
-        try:
-            raw = yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    else:
-        try:
-            raw = json.loads(text, object_pairs_hook=_no_duplicates)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+    raw = read_json_or_yaml(path)
     try:
         raw = _flatten(raw) if isinstance(raw, dict) else raw
         if overrides:
@@ -594,33 +569,6 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Co
         return from_dict(raw, base_dir=path.parent)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """JSON object hook: a key written twice is a mistake, not a silent override."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ConfigError(f"config key '{k}' is given twice")
-        out[k] = v
-    return out
-
-
-def _yaml_loader() -> type:
-    """A SafeLoader that reads `1e-4` as a number, as YAML 1.2 and JSON do."""
-    import re
-
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)$"),
-        list("-+0123456789."),
-    )
-    return Loader
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -633,11 +581,6 @@ def parse_override(text: str) -> tuple[str, Any]:
         return key.strip(), json.loads(value)
     except json.JSONDecodeError:
         return key.strip(), value
-
-
-def warn(msg: str) -> None:
-    """A warning the user should read (printed once, without a source line)."""
-    warnings.warn(msg, UserWarning, stacklevel=3)
 
 
 _HEX = re.compile(r"#[0-9a-fA-F]{6}")

@@ -1,15 +1,19 @@
-"""Atomic writes: a file or folder either appears complete or not at all."""
+"""Files: atomic writes (a file or folder either appears complete or not at all), and strict
+reading of the JSON and YAML files a user writes."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from kit.errors import ConfigError
 
 
 @contextmanager
@@ -63,3 +67,57 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def absolute_path(value: str, base_dir: str | Path) -> Path:
+    """`value` as a path (`~` expanded), taken from `base_dir` when it is relative."""
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else (Path(base_dir) / p).resolve()
+
+
+def read_json_or_yaml(path: Path) -> Any:
+    """The data of a JSON or YAML (`.yaml`, `.yml`) file, where a key written twice is refused;
+    every problem is a ConfigError that names the file."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"{path}: reading YAML needs pyyaml (pip install pyyaml)") from None
+        try:
+            return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON object hook: a key written twice is a mistake, not a silent override."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ConfigError(f"config key '{k}' is given twice")
+        out[k] = v
+    return out
+
+
+def _yaml_loader() -> type:
+    """A SafeLoader that reads `1e-4` as a number, as YAML 1.2 and JSON do."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)$"),
+        list("-+0123456789."),
+    )
+    return Loader

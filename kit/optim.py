@@ -14,14 +14,15 @@ from kit.errors import ConfigError
 def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
     """The configured optimizer over `params`."""
     betas = (t.adam_beta1, t.adam_beta2)
+    # AdamW and its 8-bit twin take the same settings.
+    adam = {
+        "lr": t.learning_rate,
+        "betas": betas,
+        "weight_decay": t.adam_weight_decay,
+        "eps": t.adam_epsilon,
+    }
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=t.learning_rate,
-            betas=betas,
-            weight_decay=t.adam_weight_decay,
-            eps=t.adam_epsilon,
-        )
+        return torch.optim.AdamW(params, **adam)
     if t.optimizer == "adamw8bit":
         if not torch.cuda.is_available():
             raise ConfigError("optimizer adamw8bit needs a CUDA GPU (bitsandbytes); use adamw here")
@@ -31,13 +32,7 @@ def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.op
             raise ConfigError(
                 "optimizer adamw8bit needs bitsandbytes: pip install bitsandbytes"
             ) from None
-        return bnb.optim.AdamW8bit(
-            params,
-            lr=t.learning_rate,
-            betas=betas,
-            weight_decay=t.adam_weight_decay,
-            eps=t.adam_epsilon,
-        )
+        return bnb.optim.AdamW8bit(params, **adam)
     if t.optimizer == "adafactor":
         from transformers.optimization import Adafactor
 

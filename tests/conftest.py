@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny SD1.5-architecture model per session, and configs that use it."""
+"""Shared fixtures: each family's tiny model written once per session, and the short run config
+that training tests start from."""
 
 from __future__ import annotations
 
@@ -17,13 +18,53 @@ quiet_libraries()
 
 
 @pytest.fixture(scope="session")
-def tiny_sd15(tmp_path_factory) -> Path:
-    """A tiny random-init SD1.5-architecture model written by `kit tiny sd15`."""
+def tiny_base(tmp_path_factory):
+    """`tiny_base(name)`: the family's tiny random-init model (as `kit tiny <name>` writes it),
+    written once per session and shared, so a test reads it and never writes into it."""
     from kit.families import get_family
 
-    out = tmp_path_factory.mktemp("models") / "tiny-sd15"
-    get_family("sd15").make_tiny(out, seed=0)
-    return out
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp("models") / f"tiny-{name}"
+            made[name] = get_family(name).make_tiny(out, seed=0)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_sd15(tiny_base) -> Path:
+    """The tiny random-init SD1.5-architecture model."""
+    return tiny_base("sd15")
+
+
+@pytest.fixture(scope="session")
+def family_dataset(tmp_path_factory):
+    """`family_dataset(name)`: a few captioned samples of the family's kind (images, or clips for
+    a video family), written once per session; a test that changes them copies them first."""
+    from kit.families import get_family
+
+    made: dict[bool, Path] = {}
+
+    def get(name: str) -> Path:
+        video = get_family(name).video
+        if video not in made:
+            out = tmp_path_factory.mktemp("clips" if video else "images") / "data"
+            if video:
+                from kit.toy.world import write_example_clips
+
+                write_example_clips(out, n=4, frames=9, seed=0)
+            else:
+                out.mkdir()
+                for image in sorted((EXAMPLE / "images").glob("zorbic_00[0-3].png")):
+                    shutil.copy(image, out / image.name)
+                    shutil.copy(image.with_suffix(".txt"), out / f"{image.stem}.txt")
+            made[video] = out
+        return made[video]
+
+    return get
 
 
 @pytest.fixture()
@@ -50,32 +91,56 @@ def write_config(path: Path, **fields) -> Path:
     return path
 
 
+TINY_RUN = {
+    "resolution": 64,
+    "bucket_step": 32,
+    "lora_rank": 4,
+    "learning_rate": 1e-3,
+    "train_batch_size": 2,
+    "max_train_steps": 4,
+    "checkpointing_steps": 2,
+    "validation_steps": 0,
+    "validation_prompt": ["a red zorbstar"],
+    "validation_seeds": [0],
+    "validation_num_inference_steps": 2,
+    "report_to": "none",
+}
+"""A short run at a small size, quick on a CPU: what every training test starts from."""
+
+
+def write_run_config(
+    path: Path, *, base: Path, data: Path, family: str = "sd15", **overrides
+) -> Path:
+    """Write the config of a short run (`TINY_RUN`) on a tiny base model; keyword arguments
+    override. The run and its cache go beside the file, in `run/` and `cache/`, unless set."""
+    fields = {
+        "model_family": family,
+        "pretrained_model": str(base),
+        "output_dir": str(path.parent / "run"),
+        "image_dir": str(data),
+        "cache_dir": str(path.parent / "cache"),
+        **TINY_RUN,
+        **overrides,
+    }
+    return write_config(path, **fields)
+
+
+TEXTUAL_INVERSION = {
+    "network_type": "textual_inversion",
+    "placeholder_tokens": ["<zorb>"],
+    "initializer_token": "star",
+    "learning_rate": 5e-2,
+    "caption_dropout": 0.2,
+}
+"""Textual inversion of `<zorb>`: captions must call the concept by that placeholder."""
+
+
 @pytest.fixture()
 def make_config(tmp_path, tiny_sd15, dataset):
-    """Factory: a small, fast training config on the tiny model; keyword arguments override."""
+    """Factory: a short run's config on the tiny SD1.5 and `dataset`; keyword arguments override."""
 
     def make(name: str = "config.json", **overrides) -> Path:
-        fields = {
-            "model_family": "sd15",
-            "pretrained_model": str(tiny_sd15),
-            "output_dir": str(tmp_path / "run"),
-            "image_dir": str(dataset),
-            "cache_dir": str(tmp_path / "cache"),
-            "resolution": 64,
-            "bucket_step": 32,
-            "lora_rank": 4,
-            "learning_rate": 1e-3,
-            "train_batch_size": 2,
-            "max_train_steps": 4,
-            "checkpointing_steps": 2,
-            "validation_steps": 0,
-            "validation_prompt": ["a red zorbstar"],
-            "validation_seeds": [0],
-            "validation_num_inference_steps": 2,
-            "report_to": "none",
-        }
-        fields.update(overrides)
-        return write_config(tmp_path / name, **fields)
+        return write_run_config(tmp_path / name, base=tiny_sd15, data=dataset, **overrides)
 
     return make
 

@@ -59,14 +59,3 @@ def test_output_dir_without_drive(tmp_path, monkeypatch):
 def test_output_dir_refuses_bad_names(name, drive):
     with pytest.raises(KitError, match="run name"):
         colab.default_output_dir(name)
-
-
-def test_install_command_from_a_folder():
-    line = colab.install_command("/content/kit")
-    assert line.split() == ["pip", "install", "--quiet", "--editable", "/content/kit"]
-
-
-def test_install_command_from_git():
-    line = colab.install_command("https://example.org/me/kit.git")
-    assert line.split()[-1] == "git+https://example.org/me/kit.git"
-    assert "--editable" not in line

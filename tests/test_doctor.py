@@ -88,16 +88,16 @@ PROMPTS = ["a zorbstar on a beach", "a zorbstar in space", "a house at night"]
 
 def test_forced_nan_is_named_first_with_precision(tmp_path, make_config, monkeypatch):
     """A loss that turns NaN at step 3 stops training; the doctor names it, with the state."""
-    import kit.train.loop
+    import kit.train.step
 
-    real, calls = kit.train.loop.denoising_loss, {"n": 0}
+    real, calls = kit.train.step.denoising_loss, {"n": 0}
 
     def poisoned(*args, **kwargs):
         calls["n"] += 1
         loss = real(*args, **kwargs)
         return loss * float("nan") if calls["n"] == 3 else loss
 
-    monkeypatch.setattr(kit.train.loop, "denoising_loss", poisoned)
+    monkeypatch.setattr(kit.train.step, "denoising_loss", poisoned)
     cfg = load_config(make_config(max_train_steps=6, train_batch_size=2))
     with pytest.raises(KitError) as err:
         train(cfg)

@@ -55,30 +55,24 @@ def trained_run(tmp_path_factory, tiny_sd15):
     """A short run with alpha ≠ rank (so a lost alpha shows) and a strong learning rate."""
     import shutil
 
-    from tests.conftest import EXAMPLE, write_config
+    from tests.conftest import EXAMPLE, write_run_config
 
     tmp = tmp_path_factory.mktemp("export")
     shutil.copytree(EXAMPLE / "images", tmp / "data")
-    path = write_config(
+    path = write_run_config(
         tmp / "config.json",
-        model_family="sd15",
-        pretrained_model=str(tiny_sd15),
-        output_dir=str(tmp / "run"),
-        image_dir=str(tmp / "data"),
-        cache_dir=str(tmp / "cache"),
+        base=tiny_sd15,
+        data=tmp / "data",
         trigger_words=["zorbstar"],
-        resolution=64,
-        bucket_step=32,
-        lora_rank=4,
         lora_alpha=2,
         learning_rate=2e-2,
+        train_batch_size=1,
         max_train_steps=6,
         checkpointing_steps=3,
         validation_steps=3,
         validation_prompt=["a large red zorbstar", "a small blue zorbstar"],
         validation_seeds=[0, 7],
         validation_num_inference_steps=4,
-        report_to="none",
     )
     train(load_config(path))
     return RunDir(tmp / "run")

@@ -19,7 +19,7 @@ from kit.export.writer import export
 from kit.families import family_names, get_family
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
-from tests.conftest import EXAMPLE, write_config
+from tests.conftest import EXAMPLE, write_run_config
 
 FAMILIES = family_names()
 
@@ -50,12 +50,12 @@ REPRODUCE = textwrap.dedent(
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_run(request, tmp_path_factory):
+def family_run(request, tmp_path_factory, tiny_base):
     """Per family: a tiny base, a dataset of its kind, and a config for a short run."""
     name = request.param
     family = get_family(name)
     tmp = tmp_path_factory.mktemp(name)
-    base = family.make_tiny(tmp / "base", seed=0)
+    base = tiny_base(name)
     data = tmp / "data"
     if family.video:
         from kit.toy.world import write_example_clips
@@ -66,32 +66,23 @@ def family_run(request, tmp_path_factory):
 
         shutil.copytree(EXAMPLE / "images", data)
     fields = {
-        "model_family": name,
-        "pretrained_model": str(base),
-        "image_dir": str(data),
+        "family": name,
+        "base": base,
+        "data": data,
         "cache_dir": str(tmp / "cache"),
         "trigger_words": ["zorbstar"],
-        "resolution": 64,
-        "bucket_step": 32,
         "num_frames": 5,
-        "lora_rank": 4,
         "lora_alpha": 2,
         "learning_rate": 1e-2,
-        "train_batch_size": 2,
-        "max_train_steps": 4,
-        "checkpointing_steps": 2,
-        "validation_steps": 0,
         "validation_prompt": ["a large red zorbstar"],
         "validation_seeds": [3],
-        "validation_num_inference_steps": 2,
         "validation_guidance_scale": 3.0,
-        "report_to": "none",
     }
     return name, tmp, fields
 
 
 def _config(tmp, fields, run: str, **overrides):
-    path = write_config(
+    path = write_run_config(
         tmp / f"{run}.json", **{**fields, "output_dir": str(tmp / run), **overrides}
     )
     return load_config(path)
@@ -103,12 +94,12 @@ def test_tiny_model_loads_with_its_pipeline_class(family_run):
     name, tmp, fields = family_run
     family = get_family(name)
     pipe = getattr(diffusers, family.pipeline_class).from_pretrained(
-        fields["pretrained_model"], **family.pipeline_kwargs
+        str(fields["base"]), **family.pipeline_kwargs
     )
     assert type(pipe).__name__ == family.pipeline_class
-    comps = family.load(fields["pretrained_model"])
+    comps = family.load(str(fields["base"]))
     assert comps.identity and all(comps.identity.values())
-    tokenizers = family.load_tokenizers(fields["pretrained_model"])
+    tokenizers = family.load_tokenizers(str(fields["base"]))
     assert len(tokenizers) == len(comps.text_encoders)
 
 
@@ -145,7 +136,7 @@ def test_trains_resumes_exports_and_reproduces(family_run):
 
 
 def test_memory_estimate_traces_the_architecture(family_run):
-    from kit.preflight.memory import estimate
+    from kit.preflight.estimate import estimate
 
     name, tmp, fields = family_run
     est = estimate(_config(tmp, fields, "estimate"))
@@ -162,6 +153,6 @@ def test_token_counts_per_text_encoder(family_run):
     name, tmp, fields = family_run
     rep = caption_report(_config(tmp, fields, "captions"))
     tokens = rep["tokens"]
-    assert set(tokens) == set(get_family(name).load_tokenizers(fields["pretrained_model"]))
+    assert set(tokens) == set(get_family(name).load_tokenizers(str(fields["base"])))
     for per_encoder in tokens.values():
         assert per_encoder["max"] > 0 and per_encoder["truncated"] == 0

@@ -13,8 +13,8 @@ from kit.families.flux import pack_latents, unpack_latents
 
 
 @pytest.fixture(scope="module")
-def tiny_flux(tmp_path_factory):
-    return get_family("flux").make_tiny(tmp_path_factory.mktemp("models") / "tiny-flux", seed=0)
+def tiny_flux(tiny_base):
+    return tiny_base("flux")
 
 
 def _family(**changes):
@@ -79,12 +79,13 @@ def test_lora_round_trips_every_default_target(tiny_flux, tmp_path):
     from diffusers import FluxPipeline
     from peft.utils import get_peft_model_state_dict
 
-    from kit.methods.network import adapter_state_dict, attach
+    from kit.methods import get_method
+    from kit.methods.adapters import adapter_state_dict
 
     cfg = Config().replace(model_family="flux", lora_rank=2)
     family = get_family("flux", cfg)
     comps = family.load(str(tiny_flux))
-    summary = attach(cfg, family, comps)
+    summary = get_method(cfg, family).attach(comps)
     for target in family.default_lora_targets:
         assert any(m.endswith(target) for m in summary.modules), target
     assert any(m.startswith("single_transformer_blocks") for m in summary.modules)

@@ -17,41 +17,32 @@ from kit.families import get_family
 from kit.families.base import ImageSpec
 from kit.families.loading import load_base
 from kit.train.loop import train
-from tests.conftest import EXAMPLE, write_config
+from tests.conftest import EXAMPLE, write_run_config
 
 
 @pytest.fixture(scope="module")
-def sd3_setup(tmp_path_factory):
+def sd3_setup(tmp_path_factory, tiny_base):
     """A tiny SD3 base and a copy of the example images."""
     tmp = tmp_path_factory.mktemp("sd3")
-    base = get_family("sd3").make_tiny(tmp / "base", seed=0)
+    base = tiny_base("sd3")
     shutil.copytree(EXAMPLE / "images", tmp / "data")
     return tmp, base
 
 
 def _config(tmp, base, run: str, **overrides):
     fields = {
-        "model_family": "sd3",
-        "pretrained_model": str(base),
         "output_dir": str(tmp / run),
-        "image_dir": str(tmp / "data"),
         "cache_dir": str(tmp / f"cache-{run}"),
-        "resolution": 64,
-        "bucket_step": 32,
-        "lora_rank": 4,
         "learning_rate": 1e-2,
-        "train_batch_size": 2,
         "max_train_steps": 1,
         "checkpointing_steps": 1,
-        "validation_steps": 0,
-        "validation_prompt": ["a red zorbstar"],
-        "validation_seeds": [0],
-        "validation_num_inference_steps": 2,
         "validation_guidance_scale": 3.0,
-        "report_to": "none",
         **overrides,
     }
-    return load_config(write_config(tmp / f"{run}.json", **fields))
+    path = write_run_config(
+        tmp / f"{run}.json", base=base, data=tmp / "data", family="sd3", **fields
+    )
+    return load_config(path)
 
 
 def test_without_t5_trains_a_step_and_plain_diffusers_reproduces_it(sd3_setup):

@@ -9,12 +9,12 @@ from kit.families import get_family
 
 
 @pytest.fixture(scope="module")
-def sdxl(tmp_path_factory):
+def sdxl(tiny_base):
     """The tiny SDXL, loaded by the family and by plain diffusers."""
     import diffusers
 
     family = get_family("sdxl")
-    base = family.make_tiny(tmp_path_factory.mktemp("sdxl") / "base", seed=0)
+    base = tiny_base("sdxl")
     pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(str(base), **family.pipeline_kwargs)
     return family, family.load(str(base)), pipe
 

@@ -25,8 +25,8 @@ COLORS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (0, 255, 255), (
 
 
 @pytest.fixture(scope="module")
-def wan_base(tmp_path_factory) -> Path:
-    return get_family("wan").make_tiny(tmp_path_factory.mktemp("wan") / "base", seed=0)
+def wan_base(tiny_base) -> Path:
+    return tiny_base("wan")
 
 
 def write_frames(folder: Path, n: int, size: tuple[int, int] = (64, 64), names=None) -> None:

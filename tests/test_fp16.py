@@ -13,7 +13,8 @@ from kit.config import load_config
 from kit.errors import KitError
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
-from kit.train.loop import CPU_FP16_ENV, _accelerator, resolve_precision, train
+from kit.train.accel import CPU_FP16_ENV, make_accelerator, resolve_precision
+from kit.train.loop import train
 
 
 @pytest.fixture()
@@ -55,7 +56,7 @@ def test_scaler_is_built_from_the_config(tmp_path, make_config, cpu_fp16):
             grad_scaler_growth_interval=7,
         )
     )
-    accelerator, precision = _accelerator(cfg, RunDir(tmp_path / "run"))
+    accelerator, precision = make_accelerator(cfg, RunDir(tmp_path / "run"))
     scaler = accelerator.scaler
     assert precision == "fp16" and scaler is not None and scaler.is_enabled()
     assert scaler.get_scale() == 512.0
@@ -67,7 +68,7 @@ def test_scaler_is_built_from_the_config(tmp_path, make_config, cpu_fp16):
     assert y.dtype == torch.float16  # autocast is on too, not only the scaler
 
     # A later fp32 run in the same process gets an fp32 accelerator, without a scaler.
-    fp32, _ = _accelerator(load_config(make_config("b.json")), RunDir(tmp_path / "b"))
+    fp32, _ = make_accelerator(load_config(make_config("b.json")), RunDir(tmp_path / "b"))
     assert fp32.mixed_precision == "no" and fp32.scaler is None
 
 

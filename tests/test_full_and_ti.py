@@ -12,48 +12,27 @@ from kit.config import load_config
 from kit.errors import ConfigError
 from kit.export.writer import export
 from kit.run import checkpoint as ckpt
-from tests.conftest import write_config
+from tests.conftest import TEXTUAL_INVERSION, write_run_config
 
 FAMILIES = ["sd15", "sdxl"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """Tiny base models of both families, made once."""
-    from kit.families import get_family
-
-    root = tmp_path_factory.mktemp("tiny")
-    return {name: get_family(name).make_tiny(root / name) for name in FAMILIES}
+def tiny(tiny_base):
+    """Tiny base models of both families (the session's shared copies)."""
+    return {name: tiny_base(name) for name in FAMILIES}
 
 
 def _config(tmp_path, tiny, dataset, family, **fields):
-    base = {
-        "model_family": family,
-        "pretrained_model": str(tiny[family]),
-        "output_dir": str(tmp_path / "run"),
-        "image_dir": str(dataset),
-        "cache_dir": str(tmp_path / "cache"),
-        "resolution": 64,
-        "bucket_step": 32,
-        "train_batch_size": 2,
-        "max_train_steps": 4,
-        "checkpointing_steps": 2,
-        "validation_prompt": ["a red <zorb>"],
-        "validation_seeds": [0],
-        "validation_num_inference_steps": 2,
-        "report_to": "none",
-    }
     name = fields.pop("name", "config.json")
-    return write_config(tmp_path / name, **{**base, **fields})
+    # The configuration's defaults for what a short LoRA run sets otherwise.
+    defaults = {"lora_rank": 16, "learning_rate": 1e-4, "validation_prompt": ["a red <zorb>"]}
+    return write_run_config(
+        tmp_path / name, base=tiny[family], data=dataset, family=family, **{**defaults, **fields}
+    )
 
 
-TI = {
-    "network_type": "textual_inversion",
-    "placeholder_tokens": ["<zorb>"],
-    "initializer_token": "star",
-    "learning_rate": 5e-2,
-    "caption_dropout": 0.2,
-}
+TI = TEXTUAL_INVERSION
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -87,12 +66,12 @@ def test_textual_inversion_trains_resumes_and_exports(tmp_path, tiny, dataset, f
 def test_only_placeholder_rows_change(tiny):
     from kit.config import from_dict
     from kit.families import get_family
-    from kit.methods.network import build_network
+    from kit.methods import get_method
 
     cfg = from_dict({"pretrained_model": str(tiny["sd15"]), **TI})
     family = get_family("sd15", cfg)
     comps = family.load(str(tiny["sd15"]))
-    net = build_network(cfg, family)
+    net = get_method(cfg, family)
     net.attach(comps)
     weight = comps.text_encoders[0].get_input_embeddings().weight
     before = weight.detach().clone()
@@ -113,7 +92,7 @@ def test_only_placeholder_rows_change(tiny):
 def test_textual_inversion_token_checks(tiny, tokens, init, match):
     from kit.config import from_dict
     from kit.families import get_family
-    from kit.methods.network import build_network
+    from kit.methods import get_method
 
     cfg = from_dict(
         {
@@ -125,7 +104,7 @@ def test_textual_inversion_token_checks(tiny, tokens, init, match):
     )
     family = get_family("sd15", cfg)
     with pytest.raises(ConfigError, match=match):
-        build_network(cfg, family).attach(family.load(str(tiny["sd15"])))
+        get_method(cfg, family).attach(family.load(str(tiny["sd15"])))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -154,7 +133,7 @@ def test_full_fine_tune_with_text_encoder(tmp_path, tiny, dataset, family):
 
 
 def test_network_preview_and_estimate_for_full_and_ti(tmp_path, tiny, dataset):
-    from kit.preflight.memory import estimate
+    from kit.preflight.estimate import estimate
 
     full = estimate(load_config(_config(tmp_path, tiny, dataset, "sd15", network_type="full")))
     ti = estimate(load_config(_config(tmp_path, tiny, dataset, "sd15", name="ti.json", **TI)))

@@ -13,8 +13,12 @@ from kit.cli import main
 from kit.config import Config
 from kit.families import get_family
 from kit.families.shipped import SHIPPED, config_source
-from kit.preflight import memory
-from kit.preflight.memory import GIB, GPUS, Shape, advise, estimate
+from kit.preflight import estimate as estimating
+from kit.preflight import trace as tracing
+from kit.preflight.advice import advise
+from kit.preflight.estimate import GIB, GPUS, estimate
+from kit.preflight.measure import real_step
+from kit.preflight.trace import Shape
 
 # Shipped model → (family, denoiser parameters in billions, low, high): the published sizes.
 SHIPPED_MODELS = {
@@ -31,7 +35,7 @@ def offline(monkeypatch, tmp_path):
     """No network, and a fresh on-disk trace cache per test."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("KIT_VRAM_CACHE", str(tmp_path / "vram"))
-    memory._MEMO.clear()
+    estimating.forget_traces()
 
 
 def _cfg(pretrained: str, family: str, resolution: int = 512, **train) -> Config:
@@ -92,15 +96,15 @@ def test_the_trace_follows_checkpointing_precision_batch_and_is_cached(tiny_sd15
     assert small.components["optimizer_state"] < base.components["optimizer_state"] / 4
     assert estimate(cfg, gradient_accumulation_steps=2).components["gradients"] > 0
     # A repeat never traces again, not even in a new process (the disk cache).
-    memory._MEMO.clear()
-    monkeypatch.setattr(memory, "trace", lambda *a: pytest.fail("traced again"))
+    estimating.forget_traces()
+    monkeypatch.setattr(estimating, "trace", lambda *a: pytest.fail("traced again"))
     assert estimate(cfg).total_bytes == base.total_bytes
 
 
 def test_attention_is_stored_as_flash_kernels_store_it():
     q = torch.empty(1, 8, 16384, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    counter = memory._LiveBytes()
-    with counter, memory._Autocast(torch.bfloat16, {}):
+    counter = tracing.LiveBytes()
+    with counter, tracing.Autocast(torch.bfloat16, {}):
         out = F.scaled_dot_product_attention(q, q, q)
         out.float().sum().backward()
     matrix = 8 * 16384 * 16384 * 2
@@ -110,7 +114,7 @@ def test_attention_is_stored_as_flash_kernels_store_it():
 def test_autocast_follows_the_cuda_op_lists():
     x = torch.empty(2, 32, 8, 8, device="meta", dtype=torch.bfloat16)
     w = torch.empty(16, 32, device="meta")
-    with memory._Autocast(torch.bfloat16, {}):
+    with tracing.Autocast(torch.bfloat16, {}):
         assert F.linear(torch.empty(2, 32, device="meta"), w).dtype == torch.bfloat16
         assert F.group_norm(x, 8).dtype == torch.float32
         assert F.softmax(x, -1).dtype == torch.float32
@@ -121,7 +125,7 @@ def test_autocast_follows_the_cuda_op_lists():
 def test_optimizer_state_by_kind():
     shapes = [(320, 16), (16, 320), (320,)]
     n = sum(a * (b if len(s) > 1 else 1) for s in shapes for a, b in [(s[0], s[-1])])
-    got = memory._optimizer_bytes(shapes)
+    got = tracing.optimizer_bytes(shapes)
     assert got["adamw"]["state"] == 8 * n
     assert got["prodigy"]["state"] == 16 * n
     assert got["adamw8bit"]["state"] < got["adamw"]["state"] / 3
@@ -179,8 +183,8 @@ def _attention_block(device: str, estimate_kernels: bool) -> tuple[int, tuple[in
     torch.manual_seed(0)
     x = torch.randn(2, 64, 32, device=device, requires_grad=True)
     proj = torch.nn.Linear(32, 32, device=device)
-    counter = memory._LiveBytes()
-    mode = memory._Autocast(None, {}) if estimate_kernels else contextlib.nullcontext()
+    counter = tracing.LiveBytes()
+    mode = tracing.Autocast(None, {}) if estimate_kernels else contextlib.nullcontext()
     with counter, mode:
         q = proj(x).view(2, 64, 4, 8).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, q, q)
@@ -205,7 +209,7 @@ def test_traced_step_matches_a_real_cpu_step_tensor_for_tensor(tiny_sd15, ckpt):
     # The real count starts once the model is loaded: weights and inputs are not in it.
     weights = sum(v for k, v in c.items() if k.endswith("_weights"))
     traced = est.allocated_bytes - weights - c["batch"]
-    counter = memory._LiveBytes()
+    counter = tracing.LiveBytes()
     with contextlib.ExitStack() as stack:
-        memory.real_step(cfg, "cpu", steps=2, on_ready=lambda: stack.enter_context(counter))
+        real_step(cfg, "cpu", steps=2, on_ready=lambda: stack.enter_context(counter))
     assert abs(traced / counter.peak - 1) < 0.01, (traced, counter.peak)

@@ -10,9 +10,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from kit.config import load_config
+from kit.config import from_dict, load_config
 from kit.errors import ConfigError, KitError
 from kit.export.writer import export
+from kit.families import get_family
+from kit.methods import get_method
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
 
@@ -54,8 +56,8 @@ def test_adapter_kind_trains_resumes_and_exports(tmp_path, make_config, kind, fo
 def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
     """The independent LyCORIS reader computes the same update as the layers that trained."""
     from kit.families import get_family
+    from kit.methods import get_method
     from kit.methods.lycoris import delta_weights, to_lycoris
-    from kit.methods.network import attach, load_adapter_state_dict
 
     for kind in ("loha", "lokr"):
         cfg = load_config(
@@ -70,9 +72,10 @@ def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
         train(cfg)
         family = get_family("sd15", cfg)
         comps = family.load(str(tiny_sd15))
-        attach(cfg, family, comps)
+        method = get_method(cfg, family)
+        method.attach(comps)
         weights = _weights(tmp_path / kind, 2)
-        load_adapter_state_dict(comps.denoiser, weights)
+        method.load_state_dict(comps, weights)
         fresh = family.load(str(tiny_sd15)).denoiser
         deltas = delta_weights(to_lycoris(weights, 3.0, 4, "lora_unet"), fresh, "lora_unet")
         layers = dict(comps.denoiser.named_modules())
@@ -84,7 +87,7 @@ def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
 
 def test_layer_filters_preview_matches_what_trains(tmp_path, make_config):
     from kit.cli import main
-    from kit.methods.network import preview
+    from kit.methods import preview
 
     path = make_config(
         only_if_contains=["attn2"], ignore_if_contains=["up_blocks"], max_train_steps=1
@@ -262,3 +265,57 @@ def test_fixed_loss_is_deterministic(make_config, tiny_sd15):
     data = build_cache(cfg, family, comps)
     fixed = FixedLoss(data, 4, 2, seed=1)
     assert fixed(family, comps, "cpu") == fixed(family, comps, "cpu")
+
+
+REFUSED = [
+    ("flux", "textual_inversion", "one key per text encoder"),
+    ("sd3", "textual_inversion", "one key per text encoder"),
+    ("wan", "textual_inversion", "cannot load textual-inversion"),
+    ("flux", "loha", "no kohya export"),
+    ("sd3", "lokr", "no kohya export"),
+    ("wan", "loha", "no kohya export"),
+]
+
+
+def _refused(tmp_path, make_config, family, kind, match):
+    """A config of a pair the kit cannot finish, on a base model that does not exist (so
+    nothing can be read from it), and the refusal it must meet."""
+    ti = {"placeholder_tokens": ["<zorb>"], "initializer_token": "star"}
+    path = make_config(
+        model_family=family,
+        pretrained_model=str(tmp_path / "no-such-model"),
+        network_type=kind,
+        **(ti if kind == "textual_inversion" else {}),
+    )
+    return path, f"network_type {kind} on {family}: .*{match}.*supports: dora, full, lora"
+
+
+@pytest.mark.parametrize(("family", "kind", "match"), REFUSED)
+def test_pairs_the_kit_cannot_finish_are_refused(tmp_path, make_config, family, kind, match):
+    from kit.cli import main
+    from kit.families import get_family
+    from kit.methods import get_method
+    from kit.preflight.estimate import estimate
+
+    path, pair = _refused(tmp_path, make_config, family, kind, match)
+    cfg = load_config(path)
+    with pytest.raises(ConfigError, match=pair):
+        get_method(cfg, get_family(family, cfg))
+    with pytest.raises(ConfigError, match=pair):
+        estimate(cfg)
+    assert main(["network", str(path)]) == 2
+
+
+@pytest.mark.parametrize(("family", "kind", "match"), REFUSED[::3])
+def test_training_refuses_such_a_pair_before_anything_loads(
+    tmp_path, make_config, family, kind, match
+):
+    path, pair = _refused(tmp_path, make_config, family, kind, match)
+    with pytest.raises(ConfigError, match=pair):
+        train(load_config(path))
+
+
+def test_textual_inversion_without_tokens_is_refused_before_anything_loads(tiny_sd15):
+    cfg = from_dict({"pretrained_model": str(tiny_sd15), "network_type": "textual_inversion"})
+    with pytest.raises(ConfigError, match="placeholder_tokens and initializer_token"):
+        get_method(cfg, get_family("sd15", cfg))

@@ -1,4 +1,4 @@
-"""Notebooks on Colab and headless: a badge per notebook, Colab-only installs, `headless` injected."""
+"""Notebooks on Colab and headless: a badge per notebook, one Colab install cell, `headless` injected."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import re
 import nbformat
 import pytest
 
-from kit.ui.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
+from kit.ui.notebooks import (
+    COLAB_INSTALL,
+    COLAB_NOTE,
+    COLAB_TAG,
+    NOTEBOOKS,
+    REPOSITORY,
+    notebook_dir,
+    run_notebooks,
+    sync_colab_cells,
+)
 
 BADGE = re.compile(
     r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"
@@ -27,21 +36,46 @@ def test_every_notebook_opens_itself_in_colab_from_one_repository():
         assert match, f"{name}: no Colab badge in the first cell"
         assert match.group(2) == name
         repos.add(match.group(1))
-    assert repos == {"kit-project/diffusion-tuning-kit"}
+    assert repos == {REPOSITORY}
 
 
-@pytest.mark.parametrize("name", ["00_environment", "04_train"])
-def test_colab_install_cell_runs_only_on_colab(name):
-    cells = [c for c in _read(name).cells if c.cell_type == "code" and "google.colab" in c.source]
-    assert len(cells) == 1
-    lines = cells[0].source.splitlines()
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_notebook_installs_the_kit_on_colab_before_using_it(name):
+    # Each notebook opens in a runtime of its own, so each installs the kit itself.
+    cells = _read(name).cells
+    tagged = [c for c in cells if COLAB_TAG in c.metadata.get("tags", [])]
+    assert [c.source for c in tagged] == [COLAB_NOTE, COLAB_INSTALL]
+    assert cells[1:3] == tagged, "the note and install cell come right after the title"
+    installs = [c for c in cells if c.cell_type == "code" and "%pip install" in c.source]
+    assert installs == tagged[1:], "no other cell installs anything"
+
+
+def test_the_install_cell_is_written_from_its_one_definition():
+    assert sync_colab_cells(write=False) == [], "run python scripts/sync_notebooks.py"
+
+
+def test_the_install_cell_runs_only_on_colab():
+    lines = COLAB_INSTALL.splitlines()
     guard = next(i for i, line in enumerate(lines) if line.startswith("if "))
     assert 'if "google.colab" in sys.modules:' in lines[guard]
     assert "import sys" in lines[:guard]
     body = lines[guard + 1 :]
     assert any("%pip install" in line for line in body)
+    assert any(f"github.com/{REPOSITORY}" in line for line in body)
     assert all(line.startswith("    ") for line in body), "everything after the guard is Colab-only"
-    assert "train(" not in cells[0].source and "TrainPanel" not in cells[0].source
+    assert "kit" not in "".join(lines[: guard + 1]), "the kit is not installed yet"
+
+
+def test_train_notebook_mounts_drive_on_colab_before_choosing_the_run_folder():
+    cells = [c for c in _read("04_train").cells if c.cell_type == "code"]
+    mount = next(i for i, c in enumerate(cells) if "drive.mount" in c.source)
+    lines = cells[mount].source.splitlines()
+    guard = next(i for i, line in enumerate(lines) if line.startswith("if "))
+    assert lines[guard].startswith("if in_colab():")
+    assert all(line.startswith("    ") for line in lines[guard + 1 :] if line)
+    assert "train(" not in cells[mount].source and "TrainPanel" not in cells[mount].source
+    chooses = next(i for i, c in enumerate(cells) if "default_output_dir(" in c.source)
+    assert mount < chooses
 
 
 def test_train_notebook_has_a_headless_switch_off_by_default():

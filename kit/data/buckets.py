@@ -11,8 +11,9 @@ from typing import Any
 
 from kit.config import Config, DataConfig
 from kit.data import video
-from kit.data.scan import Sample, load_samples
+from kit.data.scan import Sample, ScanReport, load_samples
 from kit.errors import ConfigError, DataError
+from kit.families import get_family
 
 
 def make_buckets(
@@ -241,15 +242,22 @@ def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any) -> None:
     plan.placements = [p for p, k in zip(plan.placements, keep, strict=True) if k]
 
 
-def plan_dataset(cfg: Config, num_processes: int = 1) -> tuple[list[Sample], BucketPlan]:
+def plan_dataset(
+    cfg: Config,
+    num_processes: int = 1,
+    *,
+    family: Any = None,
+    scanned: ScanReport | None = None,
+) -> tuple[list[Sample], BucketPlan]:
     """Scan the dataset and bucket it with the family's alignment: what training will see.
 
     The samples returned are the kept ones; `plan.dropped` says what was left out and why.
+    A caller that has already built the family, or scanned the folder (`check_dataset`), passes
+    them in: neither is then done again.
     """
-    from kit.families import get_family
-
-    family = get_family(cfg.model.model_family, cfg)
-    samples = load_samples(cfg.data, family)
+    if family is None:
+        family = get_family(cfg.model.model_family, cfg)
+    samples = scanned.samples if scanned is not None else load_samples(cfg.data, family)
     t = cfg.train
     group = t.train_batch_size * t.gradient_accumulation_steps * num_processes
     plan = plan_buckets(samples, cfg.data, family.bucket_step, t.seed, group)

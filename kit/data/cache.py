@@ -19,10 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from kit.config import Config
 from kit.data import video
+from kit.data.augment import augmentation_enabled, caption_variants
 from kit.data.buckets import BucketPlan, plan_dataset
 from kit.data.images import BadImage
 from kit.data.pixels import sample_pixels
-from kit.data.scan import Sample
+from kit.data.scan import Sample, ScanReport
 from kit.errors import DataError
 from kit.io import write_with
 
@@ -140,16 +141,17 @@ def plan_cache(
     *,
     num_processes: int = 1,
     empty: bool = False,
+    family: Any = None,
+    scanned: ScanReport | None = None,
 ) -> CachedDataset:
     """The dataset and the cache file of every entry it needs, without encoding anything.
 
     Latents are keyed by the image's bytes, its placement (bucket, crop, flip, frames), the VAE's
     identity and the dtype; text embeddings by the text, the encoders' and tokenizers' identity
     and the dtype. A changed image or caption therefore misses exactly its own entries.
+    `family` and `scanned` go to `plan_dataset`, so that neither is built twice.
     """
-    from kit.data.augment import augmentation_enabled, caption_variants
-
-    samples, plan = plan_dataset(cfg, num_processes)
+    samples, plan = plan_dataset(cfg, num_processes, family=family, scanned=scanned)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     latent_dir = root / "latents" / identity["vae"]
     text_dir = root / "text" / identity["text"]

@@ -18,8 +18,9 @@ from typing import Any
 
 from kit.config import Config, DataConfig
 from kit.data.augment import split_tags
-from kit.data.scan import _caption_path, is_prior_image, scan
+from kit.data.scan import caption_path, is_prior_image, scan
 from kit.errors import DataError, KitError
+from kit.families import get_family
 from kit.io import atomic_dir, write_text, write_with
 
 BACKUPS = ".caption-backups"  # hidden, so scans and orphan checks never see the copies
@@ -39,8 +40,6 @@ def has_word(caption: str, word: str) -> bool:
 
 def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
     """What the captions hold: problems, word and tag frequencies, trigger coverage, token counts."""
-    from kit.families import get_family
-
     rep = scan(cfg.data, get_family(cfg.model.model_family, cfg))
     captions = [s.caption for s in rep.samples]
     files = [_source(s.image, cfg.data) for s in rep.samples]
@@ -83,7 +82,7 @@ def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
 
 def _source(image: Path, cfg: DataConfig) -> str:
     """Where a sample's caption comes from: its caption file, or the image itself."""
-    return str(_caption_path(image, cfg) if cfg.caption_strategy == "textfile" else image)
+    return str(caption_path(image, cfg) if cfg.caption_strategy == "textfile" else image)
 
 
 def _token_counts(
@@ -93,8 +92,6 @@ def _token_counts(
 
     A silently truncated caption looks like a learning-rate problem, so this is reported early.
     """
-    from kit.families import get_family
-
     family = get_family(cfg.model.model_family, cfg)
     try:
         tokenizers = family.load_tokenizers(cfg.model.pretrained_model)
@@ -137,7 +134,7 @@ def truncation_warnings(tokens: dict[str, Any] | None) -> list[str]:
 
 def save_caption(image: str | Path, text: str, cfg: DataConfig) -> Path:
     """Write one image's caption atomically; return the caption file."""
-    path = _caption_path(Path(image), cfg)
+    path = caption_path(Path(image), cfg)
     write_text(path, text.strip() + "\n")
     return path
 
@@ -238,12 +235,10 @@ def plan_edit(cfg: Config | DataConfig, edit: Edit) -> list[Change]:
         )
     family = None
     if isinstance(cfg, Config):
-        from kit.families import get_family
-
         family = get_family(cfg.model.model_family, cfg)
     changes = []
     for sample in scan(data, family).samples:
-        path = _caption_path(sample.image, data)
+        path = caption_path(sample.image, data)
         old = _read(path)
         new = edit_text(old, edit)
         if new != old:

@@ -90,25 +90,18 @@ class ScanReport:
         out = []
         if self.unreadable:
             path, why = self.unreadable[0]
-            more = f" (and {len(self.unreadable) - 1} more)" if len(self.unreadable) > 1 else ""
             kind = "clip" if video.is_clip(path) else "image"
-            out.append(f"unreadable {kind} {path}: {why}{more}")
+            out.append(f"unreadable {kind} {path}: {why}{_and_more(self.unreadable)}")
         if self.short_clips:
             path, why = self.short_clips[0]
-            more = f" (and {len(self.short_clips) - 1} more)" if len(self.short_clips) > 1 else ""
-            out.append(f"clip too short: {path} {why}{more}")
+            out.append(f"clip too short: {path} {why}{_and_more(self.short_clips)}")
         if self.missing_captions:
             names = ", ".join(str(p) for p in self.missing_captions[:3])
-            more = (
-                f" and {len(self.missing_captions) - 3} more"
-                if len(self.missing_captions) > 3
-                else ""
-            )
+            more = _and_more(self.missing_captions, 3, brackets=False)
             out.append(f"{len(self.missing_captions)} image(s) have no caption file: {names}{more}")
         if self.skipped:
             path, why = self.skipped[0]
-            more = f" (and {len(self.skipped) - 1} more)" if len(self.skipped) > 1 else ""
-            out.append(f"skipped {path}: {why}{more}")
+            out.append(f"skipped {path}: {why}{_and_more(self.skipped)}")
         if self.duplicate_stems:
             out.append(
                 "images share a name but differ in extension, so a caption is ambiguous: "
@@ -117,7 +110,16 @@ class ScanReport:
         return out
 
 
-def _caption_path(image: Path, cfg: DataConfig, is_dir: bool | None = None) -> Path:
+def _and_more(items: list[Any], shown: int = 1, brackets: bool = True) -> str:
+    """` (and N more)` for the items a message leaves unnamed after the first `shown`."""
+    if len(items) <= shown:
+        return ""
+    more = f"and {len(items) - shown} more"
+    return f" ({more})" if brackets else f" {more}"
+
+
+def caption_path(image: Path, cfg: DataConfig, is_dir: bool | None = None) -> Path:
+    """The caption file of an image or frame folder (it may not exist yet)."""
     folder = Path(cfg.caption_dir) if cfg.caption_dir else image.parent
     if cfg.caption_dir:
         folder = folder / image.parent.relative_to(Path(cfg.image_dir))
@@ -257,7 +259,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     for path in sorted(images + clips):
         is_clip = path in clip_set
         is_dir = path in folders
-        cap = _caption_path(path, cfg, is_dir)
+        cap = caption_path(path, cfg, is_dir)
         # A skipped image's caption is accounted for by the image, not reported as an orphan.
         used_captions.add(os.path.abspath(cap))
         if ambiguous and str(path if is_dir else path.with_suffix("")) in ambiguous:
@@ -322,9 +324,9 @@ def _counts_as_clip(path: Path, cfg: DataConfig, family: Any) -> bool:
     """
     if cfg.caption_strategy != "textfile":
         return True
-    if path.is_dir() and _caption_path(video.frame_files(path)[0], cfg).is_file():
+    if path.is_dir() and caption_path(video.frame_files(path)[0], cfg).is_file():
         return False
-    return family is not None or _caption_path(path, cfg).is_file()
+    return family is not None or caption_path(path, cfg).is_file()
 
 
 def _clip_frames(total: int, cfg: DataConfig, rule: Any) -> tuple[int, str]:

@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kit.config import Config
 from kit.families.identity import fingerprint, part_config, tokenizer_identity, weights_identity
-from kit.families.noise import NoiseDraw, ddpm_noise_and_target
+from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
 
 if TYPE_CHECKING:
     from PIL import Image
-
-    from kit.config import Config
 
 
 @dataclass
@@ -123,8 +122,6 @@ class Family(ABC):
     """True when samples are clips (channels, frames, height, width) rather than images."""
 
     def __init__(self, cfg: Config | None = None) -> None:
-        from kit.config import Config
-
         self.cfg = cfg if cfg is not None else Config()
 
     def frame_count(self, available: int) -> int:
@@ -277,6 +274,29 @@ class Family(ABC):
             noise_offset=o.noise_offset,
         )
 
+    def flow_draw(
+        self, comps: Components, latents: torch.Tensor, generator: torch.Generator, shift: float
+    ) -> NoiseDraw:
+        """`flow_noise_and_target` with the run's objective settings and σ shifted by `shift`
+        (for flow-matching families), weighted as diffusers' SD3 training weights the loss."""
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        o = self.cfg.objective
+        steps = comps.noise_scheduler.config.num_train_timesteps
+        draw = flow_noise_and_target(
+            latents,
+            generator,
+            sampling=o.timestep_sampling,
+            logit_mean=o.logit_mean,
+            logit_std=o.logit_std,
+            mode_scale=o.mode_scale,
+            shift=shift,
+            num_train_timesteps=steps,
+        )
+        if o.loss_weighting != "none":
+            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
+        return draw
+
     def call_kwargs(self, spec: ImageSpec) -> dict[str, Any]:
         """The keyword arguments of the pipeline call that draws `spec` (recorded in sidecars)."""
         kwargs: dict[str, Any] = {
@@ -303,6 +323,43 @@ class Family(ABC):
     @abstractmethod
     def empty_parts(self, pretrained: str) -> dict[str, nn.Module]:
         """The parts built from their configs on the meta device: shapes only, no weights."""
+
+    def empty_from_configs(
+        self,
+        pretrained: str,
+        *,
+        denoiser: tuple[Any, str],
+        vae: tuple[Any, str],
+        encoders: list[tuple[Any, str]],
+        include_buffers: bool | None = None,
+    ) -> dict[str, nn.Module]:
+        """What `empty_parts` does in every family: `denoiser`, `vae` and each of `encoders` are
+        (class, subfolder) as for `load_parts`; text encoders are keyed by their subfolder.
+
+        `include_buffers` puts buffers on the meta device too (None: accelerate's default).
+        """
+        from accelerate import init_empty_weights
+
+        configs = [
+            (cls, cls.load_config(pretrained, subfolder=sub)) for cls, sub in (denoiser, vae)
+        ]
+        text = {
+            sub: (cls, cls.config_class.from_pretrained(pretrained, subfolder=sub))
+            for cls, sub in encoders
+        }
+        with init_empty_weights(include_buffers=include_buffers):
+            (dn_cls, dn_cfg), (vae_cls, vae_cfg) = configs
+            parts = {
+                "denoiser": dn_cls.from_config(dn_cfg),
+                "vae": vae_cls.from_config(vae_cfg),
+                **{sub: cls(cfg) for sub, (cls, cfg) in text.items()},
+            }
+        # `from_pretrained` ties shared weights (T5's token embedding is one tensor under two
+        # names); a bare constructor does not, which would count it twice. Tying must happen
+        # outside `init_empty_weights`, which re-creates every parameter assigned inside it.
+        for sub in text:
+            parts[sub].tie_weights()
+        return parts
 
     @abstractmethod
     def denoiser_inputs(

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kit.errors import ConfigError
-from kit.families import register
+from kit.families import register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw
-from kit.families.noise import flow_noise_and_target
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -172,24 +169,9 @@ class Flux(Family):
         return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-        obj = self.cfg.objective
         config = comps.noise_scheduler.config
-        steps = config.num_train_timesteps
-        draw = flow_noise_and_target(
-            latents,
-            generator,
-            sampling=obj.timestep_sampling,
-            logit_mean=obj.logit_mean,
-            logit_std=obj.logit_std,
-            mode_scale=obj.mode_scale,
-            shift=self.flow_shift(config, latents.shape[-2], latents.shape[-1]),
-            num_train_timesteps=steps,
-        )
-        if obj.loss_weighting != "none":
-            draw.weight = compute_loss_weighting_for_sd3(obj.loss_weighting, draw.timesteps / steps)
-        return draw
+        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
+        return self.flow_draw(comps, latents, generator, shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         transformer = comps.denoiser
@@ -248,21 +230,15 @@ class Flux(Family):
     # ------------------------------------------------------------ memory estimate
 
     def empty_parts(self, pretrained):
-        from accelerate import init_empty_weights
         from diffusers import AutoencoderKL, FluxTransformer2DModel
-        from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+        from transformers import CLIPTextModel, T5EncoderModel
 
-        transformer_cfg = FluxTransformer2DModel.load_config(pretrained, subfolder="transformer")
-        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
-        clip_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder")
-        t5_cfg = T5Config.from_pretrained(pretrained, subfolder="text_encoder_2")
-        with init_empty_weights():
-            return {
-                "denoiser": FluxTransformer2DModel.from_config(transformer_cfg),
-                "vae": AutoencoderKL.from_config(vae_cfg),
-                "text_encoder": CLIPTextModel(clip_cfg),
-                "text_encoder_2": T5EncoderModel(t5_cfg),
-            }
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(FluxTransformer2DModel, "transformer"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=[(CLIPTextModel, "text_encoder"), (T5EncoderModel, "text_encoder_2")],
+        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]
@@ -287,69 +263,26 @@ class Flux(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            AutoencoderKL,
-            FlowMatchEulerDiscreteScheduler,
-            FluxPipeline,
-            FluxTransformer2DModel,
-        )
-        from transformers import (
-            CLIPTextConfig,
-            CLIPTextModel,
-            CLIPTokenizer,
-            T5Config,
-            T5EncoderModel,
-            T5TokenizerFast,
-        )
-
-        from kit.families.tiny import write_clip_tokenizer_files, write_t5_tokenizer
-        from kit.io import atomic_dir
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
         torch.manual_seed(seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            write_clip_tokenizer_files(Path(tmp) / "clip")
-            tokenizer = CLIPTokenizer.from_pretrained(Path(tmp) / "clip", model_max_length=77)
-            write_t5_tokenizer(Path(tmp) / "t5")
-            tokenizer_2 = T5TokenizerFast.from_pretrained(Path(tmp) / "t5")
-        text_encoder = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=len(tokenizer),
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=77,
-                projection_dim=32,
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,  # where the pooled output is read
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
+        tokenizer, tokenizer_2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
+        text_encoder = CLIPTextModel(tiny.clip_text_config(tokenizer))
         text_encoder_2 = T5EncoderModel(
             T5Config(
-                vocab_size=len(tokenizer_2),  # the tokenizer adds T5's 100 sentinel tokens
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                relative_attention_max_distance=32,
-                feed_forward_proj="gated-gelu",  # T5 v1.1, as Flux uses
-                is_encoder_decoder=False,
-                pad_token_id=tokenizer_2.pad_token_id,
-                eos_token_id=tokenizer_2.eos_token_id,
+                **tiny.t5_config_kwargs(
+                    tokenizer_2,
+                    d_model=32,
+                    relative_attention_max_distance=32,
+                    feed_forward_proj="gated-gelu",  # T5 v1.1, as Flux uses
+                    is_encoder_decoder=False,
+                )
             )
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
+        vae = tiny.autoencoder_kl(
             block_out_channels=(16, 32, 32, 32),
-            layers_per_block=1,
             latent_channels=16,
-            norm_num_groups=16,
             sample_size=64,
             use_quant_conv=False,
             use_post_quant_conv=False,
@@ -386,9 +319,7 @@ class Flux(Family):
             tokenizer_2=tokenizer_2,
             transformer=transformer,
         )
-        with atomic_dir(out_dir) as tmp_dir:
-            pipe.save_pretrained(tmp_dir, safe_serialization=True)
-        return Path(out_dir)
+        return tiny.save_pipeline(pipe, out_dir)
 
     # ------------------------------------------------------------ helpers
 

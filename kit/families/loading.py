@@ -14,10 +14,17 @@ from kit.families.base import PARTS
 
 
 def load_base(
-    cfg: Config, dtype: torch.dtype = torch.float32, parts: tuple[str, ...] = PARTS
+    cfg: Config,
+    dtype: torch.dtype = torch.float32,
+    parts: tuple[str, ...] = PARTS,
+    family: Family | None = None,
 ) -> tuple[Family, Components]:
-    """The configured family and its loaded base model (only `parts` of it, see `PARTS`)."""
-    family = get_family(cfg.model.model_family, cfg)
+    """The configured family and its loaded base model (only `parts` of it, see `PARTS`).
+
+    `family` is the configured one when the caller has already built it.
+    """
+    if family is None:
+        family = get_family(cfg.model.model_family, cfg)
     try:
         comps = family.load(
             cfg.model.pretrained_model,

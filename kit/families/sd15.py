@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import torch
 
-from kit.families import register
+from kit.families import register, tiny
 from kit.families.base import PARTS, Components, Family
 from kit.families.identity import saved_scheduler
 
@@ -97,19 +94,15 @@ class SD15(Family):
         )
 
     def empty_parts(self, pretrained):
-        from accelerate import init_empty_weights
         from diffusers import AutoencoderKL, UNet2DConditionModel
-        from transformers import CLIPTextConfig, CLIPTextModel
+        from transformers import CLIPTextModel
 
-        unet_cfg = UNet2DConditionModel.load_config(pretrained, subfolder="unet")
-        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
-        te_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder")
-        with init_empty_weights():
-            return {
-                "denoiser": UNet2DConditionModel.from_config(unet_cfg),
-                "vae": AutoencoderKL.from_config(vae_cfg),
-                "text_encoder": CLIPTextModel(te_cfg),
-            }
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(UNet2DConditionModel, "unet"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=[(CLIPTextModel, "text_encoder")],
+        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         unet, vae = parts["denoiser"], parts["vae"]
@@ -122,45 +115,14 @@ class SD15(Family):
         return (latents, steps), {"encoder_hidden_states": embeds}
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            AutoencoderKL,
-            DDIMScheduler,
-            StableDiffusionPipeline,
-            UNet2DConditionModel,
-        )
-        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-        from kit.families.tiny import write_clip_tokenizer_files
-        from kit.io import atomic_dir
+        from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from transformers import CLIPTextModel
 
         torch.manual_seed(seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            vocab_size = write_clip_tokenizer_files(tmp)
-            tokenizer = CLIPTokenizer.from_pretrained(tmp, model_max_length=77)
-        text_encoder = CLIPTextModel(
-            CLIPTextConfig(
-                vocab_size=vocab_size,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                max_position_embeddings=77,
-                projection_dim=32,
-                bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(16, 32, 32, 32),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=16,
-            sample_size=128,
+        tokenizer = tiny.clip_tokenizer()
+        text_encoder = CLIPTextModel(tiny.clip_text_config(tokenizer))
+        vae = tiny.autoencoder_kl(
+            block_out_channels=(16, 32, 32, 32), latent_channels=4, sample_size=128
         )
         unet = UNet2DConditionModel(
             sample_size=16,
@@ -193,6 +155,4 @@ class SD15(Family):
             feature_extractor=None,
             requires_safety_checker=False,
         )
-        with atomic_dir(out_dir) as tmp_dir:
-            pipe.save_pretrained(tmp_dir, safe_serialization=True)
-        return Path(out_dir)
+        return tiny.save_pipeline(pipe, out_dir)

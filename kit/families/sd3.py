@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kit.families import register
+from kit.families import register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw
 from kit.families.identity import part_config
-from kit.families.noise import flow_noise_and_target
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -144,25 +142,9 @@ class SD3(Family):
     # ------------------------------------------------------------ training
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-        o = self.cfg.objective
-        sched = comps.noise_scheduler.config
-        steps = sched.num_train_timesteps
         # SD3 trains with σ shifted as its scheduler samples (shift 3.0 in the released configs).
-        draw = flow_noise_and_target(
-            latents,
-            generator,
-            sampling=o.timestep_sampling,
-            logit_mean=o.logit_mean,
-            logit_std=o.logit_std,
-            mode_scale=o.mode_scale,
-            shift=o.flow_shift or sched.get("shift", 1.0),
-            num_train_timesteps=steps,
-        )
-        if o.loss_weighting != "none":
-            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
-        return draw
+        shift = self.cfg.objective.flow_shift or comps.noise_scheduler.config.get("shift", 1.0)
+        return self.flow_draw(comps, latents, generator, shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         # The transformer predicts the velocity noise - x0 and takes t = σ·1000, as in sampling.
@@ -201,18 +183,12 @@ class SD3(Family):
         )
 
     def call_kwargs(self, spec):
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            "negative_prompt": spec.negative_prompt or None,
-            "num_inference_steps": spec.num_inference_steps,
-            "guidance_scale": spec.guidance_scale,
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length,
-        }
-        if spec.adapter_scale != 1.0:
+        kwargs = super().call_kwargs(spec)
+        scale = kwargs.pop("cross_attention_kwargs", None)
+        kwargs["max_sequence_length"] = self.max_sequence_length
+        if scale is not None:
             # SD3's transformer reads the LoRA scale from its joint attention kwargs.
-            kwargs["joint_attention_kwargs"] = {"scale": spec.adapter_scale}
+            kwargs["joint_attention_kwargs"] = scale
         return kwargs
 
     # ------------------------------------------------------------ export
@@ -233,31 +209,20 @@ class SD3(Family):
     # ------------------------------------------------------------ memory estimate
 
     def empty_parts(self, pretrained):
-        from accelerate import init_empty_weights
         from diffusers import AutoencoderKL, SD3Transformer2DModel
-        from transformers import (
-            CLIPTextConfig,
-            CLIPTextModelWithProjection,
-            T5Config,
-            T5EncoderModel,
-        )
+        from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-        dn_cfg = SD3Transformer2DModel.load_config(pretrained, subfolder="transformer")
-        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
-        clip_cfgs = {
-            n: CLIPTextConfig.from_pretrained(pretrained, subfolder=n) for n in CLIP_ENCODERS
-        }
+        encoders = [(CLIPTextModelWithProjection, name) for name in CLIP_ENCODERS]
+        if self.use_t5:
+            encoders.append((T5EncoderModel, T5_ENCODER))
         # Buffers go to the meta device too: the patch embedding's positional table is one.
-        with init_empty_weights(include_buffers=True):
-            parts = {
-                "denoiser": SD3Transformer2DModel.from_config(dn_cfg),
-                "vae": AutoencoderKL.from_config(vae_cfg),
-                **{n: CLIPTextModelWithProjection(c) for n, c in clip_cfgs.items()},
-            }
-            if self.use_t5:
-                t5_cfg = T5Config.from_pretrained(pretrained, subfolder=T5_ENCODER)
-                parts[T5_ENCODER] = T5EncoderModel(t5_cfg)
-        return parts
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(SD3Transformer2DModel, "transformer"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=encoders,
+            include_buffers=True,
+        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         dn, vae = parts["denoiser"].config, parts["vae"].config
@@ -277,74 +242,30 @@ class SD3(Family):
 
     def make_tiny(self, out_dir, seed=0):
         from diffusers import (
-            AutoencoderKL,
             FlowMatchEulerDiscreteScheduler,
             SD3Transformer2DModel,
             StableDiffusion3Pipeline,
         )
-        from transformers import (
-            CLIPTextConfig,
-            CLIPTextModelWithProjection,
-            CLIPTokenizer,
-            T5Config,
-            T5EncoderModel,
-            T5TokenizerFast,
-        )
-
-        from kit.families.tiny import write_clip_tokenizer_files, write_t5_tokenizer
-        from kit.io import atomic_dir
+        from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
         torch.manual_seed(seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            clip_vocab = write_clip_tokenizer_files(Path(tmp) / "clip")
-            tokenizer = CLIPTokenizer.from_pretrained(Path(tmp) / "clip", model_max_length=77)
-            tokenizer_2 = CLIPTokenizer.from_pretrained(Path(tmp) / "clip", model_max_length=77)
-            write_t5_tokenizer(Path(tmp) / "t5")
-            tokenizer_3 = T5TokenizerFast.from_pretrained(Path(tmp) / "t5")
-
-        def clip(hidden: int) -> CLIPTextModelWithProjection:
-            return CLIPTextModelWithProjection(
-                CLIPTextConfig(
-                    vocab_size=clip_vocab,
-                    hidden_size=hidden,
-                    intermediate_size=2 * hidden,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    max_position_embeddings=77,
-                    projection_dim=32,
-                    bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-            )
-
+        tokenizer, tokenizer_2 = tiny.clip_tokenizer(), tiny.clip_tokenizer()
+        tokenizer_3 = tiny.t5_tokenizer()
         # Widths as in the real model, scaled down: CLIP-L (32) and CLIP-G (48) states side by
         # side are narrower than T5's (96), so the pipeline zero-pads them as it does SD3's
         # 768 + 1280 < 4096; the two pooled projections (32 + 32) feed pooled_projection_dim.
-        text_encoder, text_encoder_2 = clip(32), clip(48)
+        text_encoder = CLIPTextModelWithProjection(tiny.clip_text_config(tokenizer, 32))
+        text_encoder_2 = CLIPTextModelWithProjection(tiny.clip_text_config(tokenizer_2, 48))
         text_encoder_3 = T5EncoderModel(
             T5Config(
-                vocab_size=len(tokenizer_3),
-                d_model=96,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                pad_token_id=tokenizer_3.pad_token_id,
-                eos_token_id=tokenizer_3.eos_token_id,
-                decoder_start_token_id=tokenizer_3.pad_token_id,
+                **tiny.t5_config_kwargs(
+                    tokenizer_3, d_model=96, decoder_start_token_id=tokenizer_3.pad_token_id
+                )
             )
         )
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
+        vae = tiny.autoencoder_kl(
             block_out_channels=(16, 16, 32, 32),
-            layers_per_block=1,
             latent_channels=16,
-            norm_num_groups=16,
             sample_size=256,
             # SD3's VAE: no quant convs, and its latent shift and scale.
             use_quant_conv=False,
@@ -377,6 +298,4 @@ class SD3(Family):
             text_encoder_3=text_encoder_3,
             tokenizer_3=tokenizer_3,
         )
-        with atomic_dir(out_dir) as tmp_dir:
-            pipe.save_pretrained(tmp_dir, safe_serialization=True)
-        return Path(out_dir)
+        return tiny.save_pipeline(pipe, out_dir)

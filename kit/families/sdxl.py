@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from kit.families import register
+from kit.families import register, tiny
 from kit.families.base import PARTS, Components, Family
 from kit.families.identity import saved_scheduler
 
@@ -134,21 +132,18 @@ class SDXL(Family):
         )
 
     def empty_parts(self, pretrained):
-        from accelerate import init_empty_weights
         from diffusers import AutoencoderKL, UNet2DConditionModel
-        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
-        unet_cfg = UNet2DConditionModel.load_config(pretrained, subfolder="unet")
-        vae_cfg = AutoencoderKL.load_config(pretrained, subfolder="vae")
-        te1_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder")
-        te2_cfg = CLIPTextConfig.from_pretrained(pretrained, subfolder="text_encoder_2")
-        with init_empty_weights():
-            return {
-                "denoiser": UNet2DConditionModel.from_config(unet_cfg),
-                "vae": AutoencoderKL.from_config(vae_cfg),
-                "text_encoder": CLIPTextModel(te1_cfg),
-                "text_encoder_2": CLIPTextModelWithProjection(te2_cfg),
-            }
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(UNet2DConditionModel, "unet"),
+            vae=(AutoencoderKL, "vae"),
+            encoders=[
+                (CLIPTextModel, "text_encoder"),
+                (CLIPTextModelWithProjection, "text_encoder_2"),
+            ],
+        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         unet, vae = parts["denoiser"], parts["vae"]
@@ -167,50 +162,23 @@ class SDXL(Family):
 
     def make_tiny(self, out_dir, seed=0):
         from diffusers import (
-            AutoencoderKL,
             EulerDiscreteScheduler,
             StableDiffusionXLPipeline,
             UNet2DConditionModel,
         )
-        from transformers import (
-            CLIPTextConfig,
-            CLIPTextModel,
-            CLIPTextModelWithProjection,
-            CLIPTokenizer,
-        )
-
-        from kit.families.tiny import write_clip_tokenizer_files
-        from kit.io import atomic_dir
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
         torch.manual_seed(seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            vocab_size = write_clip_tokenizer_files(tmp)
-            tokenizer = CLIPTokenizer.from_pretrained(tmp, model_max_length=CONTEXT)
-            tokenizer_2 = CLIPTokenizer.from_pretrained(tmp, model_max_length=CONTEXT)
-        te_kw = dict(
-            vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=CONTEXT,
-            projection_dim=32,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+        tokenizer = tiny.clip_tokenizer(CONTEXT)
+        tokenizer_2 = tiny.clip_tokenizer(CONTEXT)
+        text_encoder = CLIPTextModel(tiny.clip_text_config(tokenizer, max_positions=CONTEXT))
+        text_encoder_2 = CLIPTextModelWithProjection(
+            tiny.clip_text_config(tokenizer_2, max_positions=CONTEXT)
         )
-        text_encoder = CLIPTextModel(CLIPTextConfig(**te_kw))
-        text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**te_kw))
         te_cfg = text_encoder_2.config
-        vae = AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
+        vae = tiny.autoencoder_kl(
             block_out_channels=(16, 32, 32, 32),
-            layers_per_block=1,
             latent_channels=4,
-            norm_num_groups=16,
             sample_size=128,
             scaling_factor=0.13025,
         )
@@ -251,6 +219,4 @@ class SDXL(Family):
             scheduler=scheduler,
             **self.pipeline_kwargs,
         )
-        with atomic_dir(out_dir) as tmp_dir:
-            pipe.save_pretrained(tmp_dir, safe_serialization=True)
-        return Path(out_dir)
+        return tiny.save_pipeline(pipe, out_dir)

@@ -1,9 +1,18 @@
-"""Offline building blocks for tiny random-init models: tokenizers made without a download."""
+"""Offline building blocks for tiny random-init models: tokenizers made without a download.
+
+Each family's `make_tiny` states only its own sizes; the steps every family takes (tokenizers
+from these files, text-encoder configs sized to them, the VAE's common layout, the atomic save)
+live here.
+"""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
+from typing import Any
+
+from kit.io import atomic_dir
 
 # Words that get their own token in tiny tokenizers, so captions stay short and readable.
 WORDS = (
@@ -97,3 +106,79 @@ def write_t5_tokenizer(out_dir: str | Path, words: tuple[str, ...] | list[str] =
     )
     fast.save_pretrained(str(out_dir))
     return len(pieces)
+
+
+def clip_tokenizer(max_length: int = 77) -> Any:
+    """A `CLIPTokenizer` over `WORDS`, built offline."""
+    from transformers import CLIPTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_clip_tokenizer_files(tmp)
+        return CLIPTokenizer.from_pretrained(tmp, model_max_length=max_length)
+
+
+def t5_tokenizer(loader: str = "T5TokenizerFast") -> Any:
+    """A T5-style tokenizer over `WORDS`, built offline and read back by the transformers class
+    `loader` (`T5TokenizerFast` adds T5's 100 sentinel tokens; `AutoTokenizer` does not)."""
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_t5_tokenizer(tmp)
+        return getattr(transformers, loader).from_pretrained(tmp)
+
+
+def clip_text_config(
+    tokenizer: Any, hidden: int = 32, max_positions: int = 77, projection: int = 32
+) -> Any:
+    """A two-layer `CLIPTextConfig` sized to `tokenizer`, `hidden` wide."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=max_positions,
+        projection_dim=projection,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,  # where the pooled output is read
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def t5_config_kwargs(tokenizer: Any, **overrides: Any) -> dict[str, Any]:
+    """Arguments of a two-layer (UM)T5 encoder config sized to `tokenizer`; `overrides` win."""
+    return {
+        "vocab_size": len(tokenizer),
+        "d_kv": 8,
+        "d_ff": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "relative_attention_num_buckets": 8,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        **overrides,
+    }
+
+
+def autoencoder_kl(**sizes: Any) -> Any:
+    """An `AutoencoderKL` of four one-layer levels; `sizes` give the family's widths and factors."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        norm_num_groups=16,
+        **sizes,
+    )
+
+
+def save_pipeline(pipe: Any, out_dir: str | Path) -> Path:
+    """Save a tiny pipeline (safetensors) into `out_dir`, all at once or not at all."""
+    with atomic_dir(out_dir) as tmp_dir:
+        pipe.save_pretrained(tmp_dir, safe_serialization=True)
+    return Path(out_dir)

@@ -6,17 +6,14 @@ frame, so a clip has 4k+1 frames; the transformer patches latents by (1, 2, 2).
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from kit.families import register
+from kit.families import register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw
 from kit.families.identity import saved_scheduler
-from kit.families.noise import flow_noise_and_target
 
 TEMPORAL_FACTOR = 4
 """Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
@@ -133,24 +130,7 @@ class Wan(Family):
     # ------------------------------------------------------------ training
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-        o = self.cfg.objective
-        sched = comps.noise_scheduler.config
-        draw = flow_noise_and_target(
-            latents,
-            generator,
-            sampling=o.timestep_sampling,
-            logit_mean=o.logit_mean,
-            logit_std=o.logit_std,
-            mode_scale=o.mode_scale,
-            shift=sched.shift,
-            num_train_timesteps=sched.num_train_timesteps,
-        )
-        if o.loss_weighting != "none":
-            sigmas = draw.timesteps / sched.num_train_timesteps
-            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, sigmas)
-        return draw
+        return self.flow_draw(comps, latents, generator, comps.noise_scheduler.config.shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         return comps.denoiser(
@@ -202,20 +182,17 @@ class Wan(Family):
     # ------------------------------------------------------------ memory estimate
 
     def empty_parts(self, pretrained):
-        from accelerate import init_empty_weights
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import UMT5Config, UMT5EncoderModel
+        from transformers import UMT5EncoderModel
 
-        tr_cfg = WanTransformer3DModel.load_config(pretrained, subfolder="transformer")
-        vae_cfg = AutoencoderKLWan.load_config(pretrained, subfolder="vae")
-        te_cfg = UMT5Config.from_pretrained(pretrained, subfolder="text_encoder")
         # Buffers too: the rotary tables must be on the meta device with the activations.
-        with init_empty_weights(include_buffers=True):
-            return {
-                "denoiser": WanTransformer3DModel.from_config(tr_cfg),
-                "vae": AutoencoderKLWan.from_config(vae_cfg),
-                "text_encoder": UMT5EncoderModel(te_cfg),
-            }
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(WanTransformer3DModel, "transformer"),
+            vae=(AutoencoderKLWan, "vae"),
+            encoders=[(UMT5EncoderModel, "text_encoder")],
+            include_buffers=True,
+        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]
@@ -239,28 +216,18 @@ class Wan(Family):
             WanPipeline,
             WanTransformer3DModel,
         )
-        from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
-
-        from kit.families.tiny import write_t5_tokenizer
-        from kit.io import atomic_dir
+        from transformers import UMT5Config, UMT5EncoderModel
 
         torch.manual_seed(seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            vocab_size = write_t5_tokenizer(tmp)
-            tokenizer = AutoTokenizer.from_pretrained(tmp)
+        tokenizer = tiny.t5_tokenizer("AutoTokenizer")  # Wan's tokenizer has no sentinels
         text_encoder = UMT5EncoderModel(
             UMT5Config(
-                vocab_size=vocab_size,
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=8,
-                dropout_rate=0.0,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-                decoder_start_token_id=tokenizer.pad_token_id,
+                **tiny.t5_config_kwargs(
+                    tokenizer,
+                    d_model=32,
+                    dropout_rate=0.0,
+                    decoder_start_token_id=tokenizer.pad_token_id,
+                )
             )
         )
         # The VAE of diffusers' own Wan pipeline tests; a slightly wider transformer than theirs,
@@ -293,9 +260,7 @@ class Wan(Family):
             scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
             transformer=transformer,
         )
-        with atomic_dir(out_dir) as tmp_dir:
-            pipe.save_pretrained(tmp_dir, safe_serialization=True)
-        return Path(out_dir)
+        return tiny.save_pipeline(pipe, out_dir)
 
 
 def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

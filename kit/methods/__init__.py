@@ -1,5 +1,94 @@
-"""What is trained: adapters, full fine-tuning, textual inversion."""
+"""What is trained, registered by name: adapters, full fine-tuning, textual inversion.
 
-from kit.methods.network import build_network as get_method
+Resolving the method from the config (`network_type`, and `use_dora` turning LoRA into DoRA)
+happens here and nowhere else; so does refusing a method on a family it cannot finish on.
+"""
 
-__all__ = ["get_method"]
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+
+from kit.config import Config
+from kit.errors import ConfigError
+from kit.families import Family, get_family
+from kit.methods.base import Method, NetworkSummary
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method selectable by its `name`."""
+    if not cls.name or cls.name in _REGISTRY:
+        raise ValueError(f"method name {cls.name!r} is empty or taken")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def method_name(cfg: Config) -> str:
+    """The configured method's name: `network_type`, with `use_dora` turning LoRA into DoRA."""
+    net = cfg.network
+    return "dora" if net.network_type == "lora" and net.use_dora else net.network_type
+
+
+def method_names() -> list[str]:
+    """Every registered method name."""
+    return sorted(_REGISTRY)
+
+
+def supported(family: Family) -> list[str]:
+    """The methods a family can train and export."""
+    return [n for n in method_names() if _REGISTRY[n].unsupported(family) is None]
+
+
+def get_method(cfg: Config, family: Family) -> Method:
+    """The configured method on `family`; a ConfigError when the pair cannot be finished."""
+    name = method_name(cfg)
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(
+            f"network_type: unknown method '{name}' (known: {', '.join(method_names())}){hint}"
+        )
+    cls = _REGISTRY[name]
+    why = cls.unsupported(family)
+    if why is not None:
+        others = ", ".join(supported(family)) or "none"
+        raise ConfigError(
+            f"network_type {name} on {family.name}: {why}; choose another network_type "
+            f"({family.name} supports: {others}) or another model_family"
+        )
+    return cls(cfg, family)
+
+
+def preview(cfg: Config) -> NetworkSummary:
+    """What the configured method would train, built on the meta device (no weights)."""
+    family = get_family(cfg.model.model_family, cfg)
+    method = get_method(cfg, family)
+    return method.mark_trainable(family.empty_parts(cfg.model.pretrained_model))
+
+
+# Modules of this package that are shared machinery, not a method.
+_SHARED = {"base", "lycoris"}
+
+
+def _import_all() -> None:
+    """Import every method file of this package: each registers itself on import."""
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name not in _SHARED:
+            importlib.import_module(f"{__name__}.{mod.name}")
+
+
+_import_all()
+
+__all__ = [
+    "Method",
+    "NetworkSummary",
+    "get_method",
+    "method_name",
+    "method_names",
+    "preview",
+    "register",
+    "supported",
+]

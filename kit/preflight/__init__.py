@@ -1,1 +1,1 @@
-"""Before a run: the planner and the memory estimate."""
+"""Before a run: the planner, the memory trace, estimate and advice, and a measured real step."""

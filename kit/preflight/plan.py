@@ -17,8 +17,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kit.config import Config, from_dict
+from kit.data.buckets import plan_buckets
+from kit.data.scan import load_samples
 from kit.errors import KitError
+from kit.families import get_family
+from kit.io import write_json
+from kit.methods import get_method
+from kit.optim import scale_learning_rate
+from kit.preflight.estimate import GIB, GPUS, estimate
 
 TASKS = ("character", "style", "concept")
 
@@ -42,15 +51,7 @@ RULES = {
     ),
     "concept": TaskRule(16, 80, 300, 3000, "one object or idea: the usual starting rank"),
 }
-BASE_LR = {  # at an effective batch of 8, update scale alpha/rank = 1
-    "lora": 1e-4,
-    "dora": 1e-4,
-    "loha": 2e-4,
-    "lokr": 2e-4,
-    "full": 2e-6,
-    "textual_inversion": 5e-3,
-}
-LR_BATCH = 8
+LR_BATCH = 8  # the batch each method's `base_learning_rate` is given at
 NO_BF16 = ("T4",)  # cards without bf16: fp16 with a loss scaler instead
 VALIDATION_POINTS = 8
 NEW_CONTEXTS = {
@@ -107,8 +108,6 @@ class Plan:
 
     def save(self, path: str | Path) -> Path:
         """Write the config file (atomic)."""
-        from kit.io import write_json
-
         write_json(path, self.to_dict())
         return Path(path)
 
@@ -148,16 +147,12 @@ def guess_trigger(captions: list[str]) -> tuple[str, int] | None:
 
 def _gpu_budget(gpu: str | None, budget_gib: float | None) -> tuple[str, float] | None:
     """The memory to plan for: a named card, a budget, or the GPU in this machine."""
-    from kit.preflight.memory import GPUS
-
     if budget_gib is not None:
         return f"a {budget_gib:g} GiB budget", float(budget_gib)
     if gpu:
         if gpu not in GPUS:
             raise KitError(f"unknown gpu '{gpu}' (known: {', '.join(GPUS)})")
         return gpu, float(GPUS[gpu])
-    import torch
-
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.name, props.total_memory / 2**30
@@ -177,10 +172,6 @@ def plan(
     output_dir: str | None = None,
 ) -> Plan:
     """Plan a run for `task` on the images in `image_dir`; `base` supplies everything not planned."""
-    from kit.data.buckets import plan_buckets
-    from kit.data.scan import load_samples
-    from kit.families import get_family
-
     if task not in TASKS:
         raise KitError(f"unknown task '{task}' (choose one of {', '.join(TASKS)})")
     rule = RULES[task]
@@ -277,13 +268,13 @@ def plan(
         gradient_checkpointing=ckpt,
     )
 
-    # Learning rate: by method, square-root scaled from an effective batch of 8.
-    from kit.optim import scale_learning_rate
-
-    base_lr = BASE_LR["lora"]
+    # Learning rate: by method, square-root scaled from an effective batch of 8. The method
+    # also refuses a family it cannot finish on, before anything else is planned on it.
+    method = get_method(from_dict(flat), fam)
+    base_lr = method.base_learning_rate
     lr = float(f"{scale_learning_rate(base_lr, LR_BATCH, eff):.2g}")
     propose(
-        f"LoRA starts at {base_lr:g} at effective batch {LR_BATCH}; batch {eff} → "
+        f"{method.title} starts at {base_lr:g} at effective batch {LR_BATCH}; batch {eff} → "
         f"×√({eff}/{LR_BATCH}) = {math.sqrt(eff / LR_BATCH):.2f} → {lr:g}",
         learning_rate=lr,
     )
@@ -350,8 +341,6 @@ def _fit_batch(
         b = min(sizes[0], 2)
         return b, False, "no GPU given or found: batch not checked against memory (pass --gpu)"
     name, gib = gpu
-    from kit.preflight.memory import GIB, estimate
-
     last = None
     try:
         for ckpt in (False, True):

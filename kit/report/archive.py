@@ -10,11 +10,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kit.config import flat_config
 from kit.errors import KitError
 from kit.io import write_json, write_with
+from kit.report.plots import smooth
+from kit.run.env import devices, versions
 from kit.run.folder import RunDir, open_run
 
-ARCHIVE_FILE = "archive.json"
+ARCHIVE_FILE = RunDir(Path()).archive.name
 SCHEMA = 1
 # Keys that name where a run lives rather than how it trained: every pair of runs differs there.
 RUN_IDENTITY_KEYS = ("output_dir",)
@@ -61,21 +64,8 @@ def git_commit() -> str | None:
 
 def environment() -> dict[str, Any]:
     """Package versions and the GPU that trained (None on a CPU)."""
-    from kit.run.env import devices, versions
-
     dev = devices()[0]
     return {"versions": versions(), "gpu": None if dev["device"] == "cpu" else dev["name"]}
-
-
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config (sectioned or flat) as one flat mapping."""
-    out: dict[str, Any] = {}
-    for k, v in config.items():
-        if isinstance(v, dict):
-            out.update(v)
-        else:
-            out[k] = v
-    return out
 
 
 def _dataset(run: RunDir, image_dir: str | None) -> dict[str, Any]:
@@ -141,7 +131,7 @@ def build_archive(
             "duration_s": None if started is None or ended is None else round(ended - started, 3),
         },
         "config": config,
-        "dataset": _dataset(run, _flat(config).get("image_dir")),
+        "dataset": _dataset(run, flat_config(config).get("image_dir")),
         "validation": _validation(run),
         "loss": _loss(run),
         "environment": environment(),
@@ -160,7 +150,7 @@ def write_archive(
         archive = build_archive(
             run_dir, started=started, ended=time.time(), error=error, interrupted=interrupted
         )
-        path = Path(run_dir) / ARCHIVE_FILE
+        path = RunDir(Path(run_dir)).archive
         write_json(path, archive)
         return path
     except Exception:
@@ -169,7 +159,7 @@ def write_archive(
 
 def load_archive(run_dir: str | Path) -> dict[str, Any]:
     """A run's archive; collected from the folder when the run predates archives."""
-    path = Path(run_dir) / ARCHIVE_FILE
+    path = RunDir(Path(run_dir)).archive
     if not path.is_file():
         return build_archive(run_dir)
     try:
@@ -180,7 +170,7 @@ def load_archive(run_dir: str | Path) -> dict[str, Any]:
 
 def config_diff(a: dict[str, Any], b: dict[str, Any]) -> dict[str, list[Any]]:
     """Keys whose values differ between two saved configs, with both values (`[a, b]`)."""
-    fa, fb = _flat(a), _flat(b)
+    fa, fb = flat_config(a), flat_config(b)
     return {
         k: [fa.get(k), fb.get(k)]
         for k in sorted(fa.keys() | fb.keys())
@@ -227,8 +217,6 @@ def plot_comparison(result: dict[str, Any], path: str | Path) -> Path:
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-
-    from kit.report.plots import smooth
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
     for ax, key in zip(axes, ("a", "b"), strict=True):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -14,16 +13,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kit.errors import KitError
-from kit.run.folder import RunDir
+from kit.run.folder import RunDir, step_of
 
 MARKER = "COMPLETE"
 ADAPTER_FILE = "adapter.safetensors"
 EMA_FILE = "adapter_ema.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+RNG_FILE = "rng.pt"
+PROGRESS_FILE = "progress.json"
+STATE_FILES = (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, PROGRESS_FILE)
+"""What an exact resume reads besides the weights."""
 SHARDED_DIR = "deepspeed"
 """Under DeepSpeed ZeRO: every process's part of the optimizer state (the engine's own format),
 in place of `optimizer.pt`."""
-_CORE = {"optimizer", "scheduler", "rng"}
-_NAME = re.compile(r"^step-(\d+)$")
+_CORE = {Path(f).stem for f in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE)}
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -31,21 +35,34 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return RunDir(Path(run_dir)).checkpoint(step)
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first; incomplete ones are skipped with a warning."""
+def _step_folders(run_dir: Path) -> list[tuple[int, Path, bool]]:
+    """Every checkpoint folder in name order: its step, path and whether it is complete."""
     root = RunDir(Path(run_dir)).checkpoints
     if not root.is_dir():
         return []
     out = []
     for d in sorted(root.iterdir()):
-        m = _NAME.match(d.name)
-        if not m or not d.is_dir():
-            continue
-        if (d / MARKER).is_file():
-            out.append(d)
+        step = step_of(d)
+        if step is not None and d.is_dir():
+            out.append((step, d, (d / MARKER).is_file()))
+    return out
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; incomplete ones are skipped with a warning."""
+    out = []
+    for step, d, complete in _step_folders(run_dir):
+        if complete:
+            out.append((step, d))
         else:
             warnings.warn(f"skipping incomplete checkpoint {d} (no {MARKER} marker)", stacklevel=2)
-    return sorted(out, key=lambda d: int(_NAME.match(d.name).group(1)))  # type: ignore[union-attr]
+    return [d for _, d in sorted(out, key=lambda p: p[0])]
+
+
+def complete_checkpoints(run_dir: Path) -> dict[int, Path]:
+    """Complete checkpoints by step, oldest first, passing over incomplete ones in silence (a
+    reader of a run that may still be writing one)."""
+    return dict(sorted((step, d) for step, d, complete in _step_folders(run_dir) if complete))
 
 
 def resolve_resume(run_dir: Path, resume: str) -> Path | None:
@@ -102,20 +119,20 @@ def save_checkpoint(
     state holds the optimizer's.
     """
     final = checkpoint_dir(run_dir, step)
-    tmp = final.with_name(f".{final.name}.tmp")
+    tmp = RunDir(Path(run_dir)).staged_checkpoint(step)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         save_file(adapter, str(tmp / ADAPTER_FILE))
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng_state(generator), tmp / "rng.pt")
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        torch.save(lr_scheduler.state_dict(), tmp / SCHEDULER_FILE)
+        torch.save(rng_state(generator), tmp / RNG_FILE)
         for name, state in (extras or {}).items():
             torch.save(state, tmp / f"{name}.pt")
         if ema_weights is not None:
             save_file(ema_weights, str(tmp / EMA_FILE))
-        (tmp / "progress.json").write_text(json.dumps(progress, indent=2))
+        (tmp / PROGRESS_FILE).write_text(json.dumps(progress, indent=2))
         for name, folder in (folders or {}).items():
             shutil.move(str(folder), str(tmp / name))
         (tmp / MARKER).write_text(str(step))
@@ -143,14 +160,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     `optimizer` is None for a DeepSpeed checkpoint: its optimizer state is in `SHARDED_DIR`,
     split by process, and only the DeepSpeed engine reads it back.
     """
-    optimizer = path / "optimizer.pt"
+    optimizer = path / OPTIMIZER_FILE
     return {
         "adapter": load_file(str(path / ADAPTER_FILE)),
         "ema_weights": load_file(str(path / EMA_FILE)) if (path / EMA_FILE).is_file() else None,
         "optimizer": torch.load(optimizer, weights_only=True) if optimizer.is_file() else None,
-        "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
-        "rng": torch.load(path / "rng.pt", weights_only=True),
-        "progress": json.loads((path / "progress.json").read_text()),
+        "scheduler": torch.load(path / SCHEDULER_FILE, weights_only=True),
+        "rng": torch.load(path / RNG_FILE, weights_only=True),
+        "progress": json.loads((path / PROGRESS_FILE).read_text()),
         "extras": {
             f.stem: torch.load(f, weights_only=True)
             for f in sorted(path.glob("*.pt"))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shlex
 from pathlib import Path
 
 from kit.errors import KitError
@@ -42,15 +41,3 @@ def default_output_dir(run_name: str) -> str:
         raise KitError(f"run name {run_name!r} must be a plain folder name (no slashes)")
     root = drive_root()
     return str(root / RUNS_FOLDER / name) if root is not None else f"runs/{name}"
-
-
-def install_command(source: str = "kit") -> str:
-    """The pip line that installs the kit from `source` (a cloned folder or a git URL) on Colab.
-
-    Colab already ships torch, so the line adds the kit and its other dependencies only; run it
-    in a cell with a leading `%` (`%pip install ...`).
-    """
-    if "://" in source or source.startswith("git@"):
-        target = source if source.startswith("git+") else f"git+{source}"
-        return f"pip install --quiet {shlex.quote(target)}"
-    return f"pip install --quiet --editable {shlex.quote(source)}"

@@ -9,6 +9,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from kit.run import colab
+
 PACKAGES = (
     "torch",
     "diffusers",
@@ -73,8 +75,6 @@ def _ram_gib() -> float | None:
 
 def in_colab() -> bool:
     """True inside Google Colab."""
-    from kit.run import colab
-
     return colab.in_colab() or "COLAB_RELEASE_TAG" in os.environ
 
 

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kit.errors import KitError
+
+_STEP_NAME = re.compile(r"step-(\d+)")
+
+
+def step_of(folder: Path) -> int | None:
+    """The step a `step-N` folder (a checkpoint or a validation grid) is named for, else None."""
+    m = _STEP_NAME.fullmatch(folder.name)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,10 @@ class RunDir:
         """Where the checkpoint of `step` lives."""
         return self.checkpoints / f"step-{step:06d}"
 
+    def staged_checkpoint(self, step: int) -> Path:
+        """A hidden folder where the checkpoint of `step` is written before it is renamed."""
+        return self.checkpoints / f".step-{step:06d}.tmp"
+
     def staged_checkpoint_part(self, step: int, part: str) -> Path:
         """A hidden folder where every process writes its share of `part` before the checkpoint
         of `step` is assembled (multi-process sharded state)."""
@@ -78,6 +91,17 @@ class RunDir:
     def validation_step(self, step: int) -> Path:
         """Folder of the validation images drawn at `step`."""
         return self.validation / f"step-{step:06d}"
+
+    def validation_steps(self) -> dict[int, Path]:
+        """Every folder written by `validation_step`, by step."""
+        if not self.validation.is_dir():
+            return {}
+        found = {}
+        for d in self.validation.iterdir():
+            step = step_of(d)
+            if step is not None and d.is_dir():
+                found[step] = d
+        return dict(sorted(found.items()))
 
     def validation_scales(self, checkpoint_name: str) -> Path:
         """Folder of a checkpoint's images drawn at several adapter scales."""

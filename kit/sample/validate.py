@@ -9,9 +9,14 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from kit.config import Config
+from kit.config import Config, load_config
+from kit.errors import KitError
 from kit.families.base import ImageSpec
+from kit.families.loading import load_base
 from kit.io import write_json, write_with
+from kit.methods import get_method
+from kit.run import checkpoint as ckpt
+from kit.run.folder import open_run
 
 
 def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
@@ -136,20 +141,13 @@ def read_sidecar(path: str | Path) -> tuple[ImageSpec, dict[str, Any]]:
 def load_trained(run_dir: str | Path, checkpoint: str | Path | None = None) -> tuple[Any, ...]:
     """(run, config, family, components, checkpoint folder): the base with a checkpoint's
     trained weights (the EMA average when there is one) in place; the latest by default."""
-    from kit.config import load_config
-    from kit.errors import KitError
-    from kit.families.loading import load_base
-    from kit.methods.network import build_network
-    from kit.run import checkpoint as ckpt
-    from kit.run.folder import open_run
-
     run = open_run(run_dir)
     cfg = load_config(run.config)
     source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
     if source is None:
         raise KitError(f"{run.root} has no complete checkpoint")
     family, comps = load_base(cfg)
-    net = build_network(cfg, family)
+    net = get_method(cfg, family)
     net.attach(comps)
     net.load_state_dict(comps, ckpt.exported_weights(source))
     return run, cfg, family, comps, source
@@ -174,7 +172,7 @@ def draw_checkpoint(
         family,
         family.pipeline(comps),
         specs,
-        run.validation / f"{source.name}-scales",
+        run.validation_scales(source.name),
         cols=len(cfg.validation.validation_seeds),
         meta={"base_model": cfg.model.pretrained_model, "checkpoint": str(source)},
     )

@@ -38,7 +38,6 @@ import json
 import math
 import platform
 import random
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +47,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
+from kit.families import tiny
+from kit.families.noise import ddpm_noise_and_target
+from kit.io import atomic_dir, write_json
 from kit.toy import world as toyworld
 
 SIZE = 64
@@ -137,34 +139,11 @@ def build_vae():
     )
 
 
-def build_tokenizer(out_dir: Path):
-    """The kit's offline CLIP tokenizer (every toy-world word is one token)."""
-    from transformers import CLIPTokenizer
-
-    from kit.families.tiny import write_clip_tokenizer_files
-
-    write_clip_tokenizer_files(out_dir)
-    return CLIPTokenizer.from_pretrained(str(out_dir), model_max_length=TOKENS)
-
-
 def build_text_encoder(tokenizer):
     """A 2-layer CLIP text encoder, 64 wide."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from transformers import CLIPTextModel
 
-    return CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=77,
-            projection_dim=64,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    return CLIPTextModel(tiny.clip_text_config(tokenizer, hidden=64, projection=64))
 
 
 def build_unet():
@@ -250,8 +229,6 @@ def train_denoiser(
 ):
     """Text encoder and UNet together on the v objective; returns their EMA copies."""
     from diffusers import DDPMScheduler
-
-    from kit.families.noise import ddpm_noise_and_target
 
     torch.manual_seed(seed)
     text_encoder, unet = build_text_encoder(tokenizer), build_unet()
@@ -362,8 +339,6 @@ def build(
     import transformers
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    from kit.io import atomic_dir, write_json
-
     vae_steps = RECIPE["vae_steps"] if vae_steps is None else vae_steps
     unet_steps = RECIPE["unet_steps"] if unet_steps is None else unet_steps
     decoder_steps = RECIPE["decoder_steps"] if decoder_steps is None else decoder_steps
@@ -374,8 +349,7 @@ def build(
     captions = [toyworld.caption(s) for s in world]
     vae, latents = train_vae(images, vae_steps, seed)
     vae_minutes = (time.time() - start) / 60
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer = build_tokenizer(Path(tmp))
+    tokenizer = tiny.clip_tokenizer(TOKENS)  # every toy-world word is one token
     text_encoder, unet = train_denoiser(latents, captions, tokenizer, unet_steps, seed)
     vae = finetune_decoder(vae, images, decoder_steps, seed)
     sampler = DDIMScheduler(

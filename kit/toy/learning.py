@@ -15,6 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
+from kit.families.base import ImageSpec
+from kit.io import write_json
+from kit.sample.validate import load_trained, run_validation
 from kit.toy import world as toyworld
 from kit.toy.judge import score
 
@@ -99,10 +102,6 @@ def learning_report(
 
     `seeds` images per group and scale, spread over `per_group` prompts.
     """
-    from kit.families.base import ImageSpec
-    from kit.io import write_json
-    from kit.sample.validate import load_trained, run_validation
-
     run, cfg, family, comps, source = load_trained(run_dir, checkpoint)
     pipe = family.pipeline(comps)
     trigger = (cfg.data.trigger_words or [toyworld.TRIGGER_WORD])[0]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from kit.io import atomic_dir
+
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
     "green": (40, 170, 70),
@@ -271,8 +273,6 @@ def write_example_clips(
     out_dir: str | os.PathLike[str], n: int = 8, frames: int = 17, seed: int = 0
 ) -> list[Path]:
     """Write n clips of `zorbic` shapes crossing the frame: folders of PNG frames plus `<clip>.txt`."""
-    from kit.io import atomic_dir
-
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")
     out = Path(out_dir)

@@ -15,6 +15,7 @@ from kit.config import Config, load_config
 from kit.errors import KitError
 from kit.io import write_with
 from kit.run.folder import RunDir
+from kit.train.loop import train
 
 ZERO_STAGES = (1, 2)
 """ZeRO stages the kit supports; stage 3 splits the weights themselves, which its checkpoints
@@ -99,8 +100,6 @@ def free_port() -> int:
 
 def _train_process(cfg: Config, resume: str | None, kw: dict[str, Any]) -> None:
     """What each launched process runs: the ordinary training loop."""
-    from kit.train.loop import train
-
     train(cfg, resume=resume, **kw)
 
 

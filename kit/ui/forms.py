@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from kit.config import SECTIONS, Config, field_docs, field_section, resolve_model_path
 from kit.errors import ConfigError
+from kit.families import get_family
+from kit.methods import get_method
 
 # Prompts contain commas, so these lists are edited one item per line.
 ONE_PER_LINE = frozenset({"validation_prompt"})
@@ -194,7 +196,7 @@ class ConfigForm:
 
     def set(self, name: str, value: Any) -> Config:
         """Change one field (a ConfigError when the config refuses it); the widget follows."""
-        self._config = self._config.replace(**{name: value})
+        self._config = _checked(self._config.replace(**{name: value}))
         self._pending.pop(name, None)
         self._sync()
         return self._config
@@ -219,7 +221,7 @@ class ConfigForm:
             return
         try:
             value = f.from_widget(raw)
-            self._config = self._config.replace(**{f.name: value})
+            self._config = _checked(self._config.replace(**{f.name: value}))
         except ConfigError as e:
             self._pending[f.name] = (raw, str(e))
             f.show_error(str(e))
@@ -233,7 +235,7 @@ class ConfigForm:
         for name, (raw, _) in list(self._pending.items()):
             f = self.fields[name]
             try:
-                self._config = self._config.replace(**{name: f.from_widget(raw)})
+                self._config = _checked(self._config.replace(**{name: f.from_widget(raw)}))
             except ConfigError as e:
                 self._pending[name] = (raw, str(e))
                 f.show_error(str(e))
@@ -281,3 +283,10 @@ def config_form(
 ) -> ConfigForm:
     """A form for `cfg`: all fields, those of `sections`, or just `fields`; saves to `path`."""
     return ConfigForm(cfg, sections, fields, path)
+
+
+def _checked(cfg: Config) -> Config:
+    """`cfg`, once its method accepts it on its family (a ConfigError naming the pair if not),
+    so the form refuses what training would refuse."""
+    get_method(cfg, get_family(cfg.model.model_family, cfg))
+    return cfg

@@ -1,7 +1,14 @@
-"""Run the seven notebooks headlessly with papermill, in order, with shared parameters."""
+"""The seven notebooks: run them headlessly with papermill, and keep their Colab cells in step.
+
+Every notebook opens in its own Colab runtime, so each must install the kit before its first
+`import kit`. That install cell cannot call the kit (it is not installed yet), so its text is
+defined once here and written into every notebook by `sync_colab_cells`
+(`python scripts/sync_notebooks.py`); a test checks that no notebook differs from it.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,23 @@ NOTEBOOKS = (
     "05_validate",
     "06_export",
 )
+
+
+REPOSITORY = "kit-project/diffusion-tuning-kit"
+"""The GitHub repository that the Colab badges open and the install cell clones."""
+CLONE_DIR = "/content/" + REPOSITORY.rsplit("/", 1)[1]
+"""Where the install cell clones the repository on a Colab machine."""
+COLAB_TAG = "colab"
+"""Tag of the cells that follow each notebook's title: a note, then the install cell."""
+COLAB_NOTE = """On Google Colab the next cell fetches the kit with its example dataset and installs
+it (Colab already has PyTorch). Anywhere else it does nothing."""
+COLAB_INSTALL = f"""import sys
+
+if "google.colab" in sys.modules:  # Colab only
+    !git clone --quiet --depth 1 https://github.com/{REPOSITORY} {CLONE_DIR}
+    %pip install --quiet {CLONE_DIR}
+    %cd {CLONE_DIR}/notebooks"""
+"""The install cell: plain text, since it runs before the kit exists on the machine."""
 
 
 def notebook_dir() -> Path:
@@ -69,3 +93,43 @@ def run_notebooks(
             ) from None
         done.append(target)
     return done
+
+
+def colab_cells() -> list[dict[str, Any]]:
+    """The note and the install cell that follow every notebook's title, as notebook JSON."""
+    return [
+        {
+            "cell_type": "markdown",
+            "id": "colab-note",
+            "metadata": {"tags": [COLAB_TAG]},
+            "source": COLAB_NOTE.splitlines(keepends=True),
+        },
+        {
+            "cell_type": "code",
+            "execution_count": None,
+            "id": "colab-install",
+            "metadata": {"tags": [COLAB_TAG]},
+            "outputs": [],
+            "source": COLAB_INSTALL.splitlines(keepends=True),
+        },
+    ]
+
+
+def sync_colab_cells(write: bool = True) -> list[str]:
+    """Make the cells tagged `COLAB_TAG` in every notebook `colab_cells()`, right after the title.
+
+    Returns the notebooks that differed; with `write=False` nothing is changed (a check).
+    """
+    changed = []
+    for name in NOTEBOOKS:
+        path = notebook_dir() / f"{name}.ipynb"
+        text = path.read_text(encoding="utf-8")
+        nb = json.loads(text)
+        rest = [c for c in nb["cells"] if COLAB_TAG not in c["metadata"].get("tags", [])]
+        nb["cells"] = rest[:1] + colab_cells() + rest[1:]
+        new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+        if new != text:
+            changed.append(name)
+            if write:
+                path.write_text(new, encoding="utf-8")
+    return changed

@@ -18,6 +18,7 @@ from typing import Any
 
 from kit.config import Config
 from kit.io import write_with
+from kit.report.plots import draw_metrics
 from kit.run.folder import RunDir
 from kit.train.loop import StopTraining, TrainResult, train
 
@@ -34,8 +35,6 @@ def figure_png(rows: list[dict[str, Any]], dpi: int = 80) -> bytes:
     """The metrics figure as PNG bytes, drawn without pyplot (safe outside the main thread)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-
-    from kit.report.plots import draw_metrics
 
     fig = Figure(figsize=(12, 3.2))
     FigureCanvasAgg(fig)

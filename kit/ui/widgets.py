@@ -12,7 +12,12 @@ from typing import Any
 
 from kit.config import Config, load_config
 from kit.data import video
+from kit.data.captions import has_word, save_caption
+from kit.data.scan import caption_path
 from kit.logs import quiet_libraries
+from kit.preflight.estimate import GIB, GPUS
+from kit.report.plots import metrics_figure
+from kit.run.folder import RunDir
 
 quiet_libraries()
 
@@ -86,8 +91,6 @@ def vram_figure(est: Any, budget_gib: float | None = None, cards: bool = True):
     """The estimated peak as one stacked bar of its components, with card and budget lines."""
     import matplotlib.pyplot as plt
 
-    from kit.preflight.memory import GIB, GPUS
-
     parts = [(n, v / GIB) for n, v in est.components.items() if v > 0]
     fig, ax = plt.subplots(figsize=(9, 2.8))
     left = 0.0
@@ -137,9 +140,6 @@ class LivePlot:
     def redraw(self) -> None:
         """Draw the figure from the metrics logged so far."""
         import matplotlib.pyplot as plt
-
-        from kit.report.plots import metrics_figure
-        from kit.run.folder import RunDir
 
         rows = RunDir(self.metrics_path.parent.parent).read_metrics()
         if rows:
@@ -211,8 +211,6 @@ class CaptionEditor:
 
     def set_filter(self, tag: str) -> None:
         """Show only samples whose caption holds `tag` as a whole word; empty shows all."""
-        from kit.data.captions import has_word
-
         tag = tag.strip()
         self.shown = [i for i, s in enumerate(self.samples) if not tag or has_word(s.caption, tag)]
         self.pos = 0
@@ -220,8 +218,6 @@ class CaptionEditor:
 
     def save(self) -> Path | None:
         """Write the caption box to the current sample's caption file, unless it changed on disk."""
-        from kit.data.captions import save_caption
-
         s = self.current()
         if s is None:
             return None
@@ -246,11 +242,9 @@ def _disk_text(path: Path | None) -> str:
 
 def _caption_file(image: str | Path, cfg: Config) -> Path | None:
     """The caption file of an image, or None when captions do not come from files."""
-    from kit.data.scan import _caption_path
-
     if cfg.data.caption_strategy != "textfile":
         return None
-    return _caption_path(Path(image), cfg.data)
+    return caption_path(Path(image), cfg.data)
 
 
 def _png_bytes(path: str | Path, size: int = 256) -> bytes:

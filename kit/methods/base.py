@@ -1,0 +1,155 @@
+"""The method seam: what a run trains, how it is saved, estimated, planned and exported.
+
+A method answers a small fixed set of questions (attach, parameters, state, upkeep, memory model,
+learning rate, export formats and writers, which families it can finish on). The training loop,
+the estimator, the planner and export call these and never branch on a method's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kit.config import Config
+from kit.families import Components, Family
+
+Apply = Callable[[Any, Path], Any]
+"""(fresh base pipeline, exported path) → a pipeline that draws with the export applied."""
+
+
+@dataclass
+class NetworkSummary:
+    """The adapted modules, with trainable parameters per module, and the totals."""
+
+    kind: str
+    modules: list[str]
+    per_module: dict[str, int]
+    trainable: int
+    total: int
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per adapted module: name and trainable parameters (for tables)."""
+        return [{"module": m, "trainable": self.per_module[m]} for m in self.modules]
+
+
+class Method:
+    """One training method. Subclass, set the class attributes, register with `@register`."""
+
+    name: str = ""
+    """The method's name: a `network_type` value (or `dora`, which `use_dora` also selects)."""
+    title: str = ""
+    """How prose names it (the planner's reasons)."""
+    base_learning_rate: float = 1e-4
+    """The planner's starting rate at an effective batch of 8 (update scale alpha/rank = 1)."""
+    live_text = False
+    """True when gradients reach the text encoders: captions are encoded every step, not cached."""
+
+    def __init__(self, cfg: Config, family: Family) -> None:
+        self.cfg = cfg
+        self.family = family
+
+    # ------------------------------------------------------------ which families
+
+    @classmethod
+    def unsupported(cls, family: Family) -> str | None:
+        """Why this method cannot be trained and exported on `family`; None when it can."""
+        return None
+
+    # ------------------------------------------------------------ training
+
+    def attach(self, comps: Components) -> NetworkSummary:
+        """Freeze the base model, then make the trained parts trainable."""
+        raise NotImplementedError
+
+    def parameters(self, comps: Components) -> list[nn.Parameter]:
+        """The trained parameters, in a fixed order."""
+        return [p for m in comps.frozen_modules() for p in m.parameters() if p.requires_grad]
+
+    def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
+        """The trained weights, as saved in checkpoints and read by export."""
+        raise NotImplementedError
+
+    def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
+        """Put saved trained weights back."""
+        raise NotImplementedError
+
+    def after_step(self, comps: Components) -> None:
+        """Upkeep after each optimizer step (nothing by default)."""
+
+    # ------------------------------------------------------------ memory model
+
+    def mark_trainable(self, parts: dict[str, nn.Module]) -> NetworkSummary:
+        """On the family's meta-device parts (`empty_parts`), make trainable what would train.
+
+        The estimator reads the trained tensors' shapes from the parts afterwards; the summary's
+        `trainable` is the number of values that learn.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ export
+
+    def export_formats(self) -> tuple[str, ...]:
+        """The export formats of this method on its family."""
+        raise NotImplementedError
+
+    def write_export(
+        self,
+        fmt: str,
+        weights: dict[str, torch.Tensor],
+        meta: dict[str, str],
+        step: int,
+        out: Path,
+    ) -> tuple[Path, Apply]:
+        """Write checkpoint `weights` in `fmt` under `out`: the path, and how a client applies it."""
+        raise NotImplementedError
+
+
+def freeze_all(modules: list[nn.Module] | Any) -> None:
+    """No gradients for any of these modules' parameters."""
+    for m in modules:
+        if m is not None:
+            m.requires_grad_(False)
+
+
+def trainable_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """Parameters that receive gradients, in a fixed order."""
+    return (p for p in module.parameters() if p.requires_grad)
+
+
+def trainable_count(module: nn.Module) -> int:
+    """How many values of `module` receive gradients."""
+    return sum(p.numel() for p in trainable_parameters(module))
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module itself when accelerate wrapped it (DDP keeps the weights in `.module`)."""
+    return getattr(module, "module", module)
+
+
+def load_lora(pipe: Any, path: Path) -> Any:
+    """Apply a LoRA file as diffusers users do: `load_lora_weights`."""
+    pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+    return pipe
+
+
+def text_encoder_parts(parts: dict[str, nn.Module]) -> list[nn.Module]:
+    """The text encoders among a family's `empty_parts`, in the family's order."""
+    return [m for n, m in parts.items() if n.startswith("text_encoder")]
+
+
+__all__ = [
+    "Apply",
+    "Method",
+    "NetworkSummary",
+    "freeze_all",
+    "load_lora",
+    "text_encoder_parts",
+    "trainable_count",
+    "trainable_parameters",
+    "unwrap",
+]

@@ -1,0 +1,49 @@
+"""Looking at the weights mid-run: validation images and losses on fixed noise."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+from pathlib import Path
+
+from kit.families.loading import load_base
+from kit.sample.validate import image_specs, run_validation
+from kit.train.state import TrainState
+
+
+def validate(s: TrainState, step: int) -> Path:
+    """Draw the validation grid of `step` (main process); return its path."""
+    cfg, comps = s.cfg, s.comps
+    # With EMA, the images show the averaged weights: the ones that get exported.
+    swap = s.ema.swapped_in(s.params) if s.ema is not None else contextlib.nullcontext()
+    if comps.missing_parts():
+        # Trained from a full cache: the encoders load now, for sampling only.
+        _, rest = load_base(cfg, parts=comps.missing_parts(), family=s.family)
+        for m in rest.frozen_modules():
+            m.to(s.device, dtype=s.weight_dtype)
+        comps.take_parts(rest)
+    pipe = s.family.pipeline(replace(comps, denoiser=s.accelerator.unwrap_model(s.denoiser)))
+    s.denoiser.eval()
+    with swap, s.accelerator.autocast():
+        grid = run_validation(
+            s.family,
+            pipe,
+            image_specs(cfg, s.prompts),
+            s.run.validation_step(step),
+            cols=len(cfg.validation.validation_seeds),
+            meta={"base_model": cfg.model.pretrained_model, "step": step},
+        )
+    s.denoiser.train()
+    s.emit(kind="validation", step=step, grid=grid)
+    return grid
+
+
+def fixed_losses(s: TrainState) -> dict[str, float]:
+    """The loss on fixed training samples and noise, and on the held-out images if any."""
+    s.denoiser.eval()
+    with s.accelerator.autocast():
+        out = {"stable_loss": s.fixed(s.family, s.comps, s.device)}
+        if s.fixed_holdout is not None:
+            out["validation_loss"] = s.fixed_holdout(s.family, s.comps, s.device)
+    s.denoiser.train()
+    return out

@@ -1,0 +1,187 @@
+"""Everything before the first step: data scanned and cached, the base loaded, the method
+attached, the optimizer, accelerate, a resume; the run folder's own files written."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit.config import Config
+from kit.data.cache import CachedDataset, fill_cache, plan_cache
+from kit.data.scan import ScanReport, check_dataset
+from kit.families import Family, get_family
+from kit.families.loading import load_base
+from kit.io import write_text
+from kit.methods import get_method
+from kit.optim import make_optimizer, make_scheduler
+from kit.precision import torch_dtype
+from kit.run import checkpoint as ckpt
+from kit.run.folder import RunDir
+from kit.sample.validate import default_prompts
+from kit.train.accel import make_accelerator
+from kit.train.log import emitter, start_trackers
+from kit.train.objective import EMA, FixedLoss
+from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
+from kit.train.state import Callback, TrainResult, TrainState
+
+
+def prepare(
+    cfg: Config,
+    *,
+    resume: str | None = None,
+    force: bool = False,
+    overwrite: bool = False,
+    callbacks: list[Callback] | tuple[Callback, ...] = (),
+) -> TrainState:
+    """Set up one run and return it ready for `fit`; `resume="latest"` picks up the newest
+    checkpoint."""
+    started_at = time.time()  # wall clock, for the run archive
+    t, o = cfg.train, cfg.objective
+    run = RunDir(Path(t.output_dir))
+    accelerator, precision = make_accelerator(cfg, run)
+    device = accelerator.device
+    weight_dtype = torch_dtype(precision)  # the frozen base's; trained weights stay fp32
+
+    resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
+    refuse_mixed_runs(run, resume, overwrite)
+    family = get_family(cfg.model.model_family, cfg)
+    method = get_method(cfg, family)  # a pair that cannot be trained is refused here
+    # A dataset without one usable file fails here, before any download or deletion. This is
+    # the run's only scan: the cache plan below buckets its samples.
+    scanned = check_dataset(cfg.data, family)
+    # The cache is planned first: parts whose every entry is cached are never loaded.
+    identity = family.identity(cfg.model.pretrained_model, cfg.model.revision)
+    dropout = o.caption_dropout > 0  # only caption dropout needs the empty caption
+    data = plan_cache(
+        cfg,
+        identity,
+        weight_dtype,
+        num_processes=accelerator.num_processes,
+        empty=dropout,
+        family=family,
+        scanned=scanned,
+    )
+    holdout = _holdout(cfg, identity, weight_dtype, family)
+    _, comps = load_base(cfg, parts=_parts_needed(method, data, holdout), family=family)
+    for m in comps.frozen_modules():
+        m.to(device, dtype=weight_dtype)
+    fill_cache(data, cfg, family, comps, device)
+    if holdout is not None:
+        fill_cache(holdout, cfg, family, comps, device)
+    report = _data_report(scanned, data)
+    empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
+    check_resume(run, cfg, data, resume_from, force)
+    if overwrite and not resume and accelerator.is_main_process:
+        clear_run(run)
+
+    torch.manual_seed(t.seed)  # adapter initialisation, the same whichever parts were loaded
+    summary = method.attach(comps)
+    params = method.parameters(comps)
+    for p in params:
+        p.data = p.data.float()  # trained weights stay fp32 whatever the base's dtype
+    if t.gradient_checkpointing:
+        comps.denoiser.enable_gradient_checkpointing()
+    comps.denoiser.train()
+    optimizer = make_optimizer(params, t)
+    scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
+    # Under DeepSpeed too accelerate steps this schedule (the engine steps only its own kinds).
+    denoiser, optimizer, scheduler = accelerator.prepare(comps.denoiser, optimizer, scheduler)
+    comps.denoiser = denoiser  # the family calls whatever accelerate wrapped
+    ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
+    # Saved in checkpoints; batches draw from streams of their own.
+    generator = torch.Generator().manual_seed(t.seed)
+    fixed = FixedLoss(data, t.stable_loss_samples, t.train_batch_size, t.seed + 1)
+    fixed_holdout = (
+        FixedLoss(holdout, len(holdout.samples), t.train_batch_size, t.seed + 2)
+        if holdout
+        else None
+    )
+    s = TrainState(
+        cfg=cfg,
+        run=run,
+        accelerator=accelerator,
+        precision=precision,
+        family=family,
+        comps=comps,
+        method=method,
+        summary=summary,
+        params=params,
+        denoiser=denoiser,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ema=ema,
+        data=data,
+        fixed=fixed,
+        fixed_holdout=fixed_holdout,
+        empty_text=empty_text,
+        report=report,
+        prompts=[],
+        emit=emitter(callbacks),
+        started_at=started_at,
+        result=TrainResult(run.root, 0, resume_from),
+        resume_from=resume_from,
+        generator=generator,
+    )
+    if resume_from is not None:
+        restore(s, resume_from)
+        accelerator.print(f"resumed from {resume_from} at step {s.step}")
+    elif resume == "latest":
+        accelerator.print("no checkpoint to resume from; starting at step 0")
+    s.result.step = s.step
+    _write_run_files(s)
+    start_trackers(accelerator, cfg)
+    s.prompts = default_prompts(cfg, [x.caption for x in data.samples])
+    return s
+
+
+def _holdout(
+    cfg: Config, identity: dict[str, str], dtype: torch.dtype, family: Family
+) -> CachedDataset | None:
+    """The planned cache of the held-out images (`validation_image_dir`), or None."""
+    folder = cfg.validation.validation_image_dir
+    if not folder:
+        return None
+    # Every held-out image counts: a small bucket is kept whole, never dropped or moved.
+    held = cfg.replace(image_dir=folder, caption_dir="", small_bucket_policy="repeat")
+    return plan_cache(held, identity, dtype, family=family)
+
+
+def _parts_needed(
+    method: Any, data: CachedDataset, holdout: CachedDataset | None
+) -> tuple[str, ...]:
+    """The base model's parts this run needs now: encoders only for what is not cached yet."""
+    missing = data.missing()
+    if holdout is not None:
+        missing = {k: v + holdout.missing()[k] for k, v in missing.items()}
+    parts = ["denoiser"]
+    if missing["latents"]:
+        parts.append("vae")
+    if missing["text"] or method.live_text:
+        parts.append("text_encoders")
+    return tuple(parts)
+
+
+def _data_report(scanned: ScanReport, data: CachedDataset) -> ScanReport:
+    """The scan as training uses it: the samples kept after bucketing, and the images whose
+    headers read fine but whose pixels did not (found while caching) among the unreadable."""
+    return replace(scanned, samples=data.samples, unreadable=scanned.unreadable + data.skipped)
+
+
+def _write_run_files(s: TrainState) -> None:
+    """The config, the dataset manifest and the data report, in the run folder (main process)."""
+    run = s.run
+    if s.main:
+        run.root.mkdir(parents=True, exist_ok=True)
+        s.cfg.save(run.config)
+        run.manifest.write_text(json.dumps(s.data.manifest(), indent=1))
+        write_text(run.data_report, json.dumps(s.report.entries(), indent=1, ensure_ascii=False))
+        run.logs.mkdir(parents=True, exist_ok=True)
+    if s.report.entries():
+        s.accelerator.print(
+            f"data: {s.report.summary()}; every file and reason in {run.data_report}"
+        )

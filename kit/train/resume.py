@@ -1,0 +1,112 @@
+"""Resuming a run exactly, and keeping a new run out of an old one's folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from kit.config import Config
+from kit.data.cache import CachedDataset
+from kit.errors import KitError
+from kit.io import write_text
+from kit.run import checkpoint as ckpt
+from kit.run.folder import RunDir
+from kit.train.accel import load_sharded
+from kit.train.state import TrainState
+
+# Settings that change the sequence of updates: a resume with other values is not exact.
+EXACTNESS_KEYS = ("train_batch_size", "gradient_accumulation_steps", "seed", "resolution")
+
+
+def fingerprint(cfg: Config, data: CachedDataset) -> dict[str, Any]:
+    """What a resume must find unchanged to continue exactly."""
+    return {
+        "settings": {k: cfg.get(k) for k in EXACTNESS_KEYS},
+        "dataset": sorted(data.digests),
+    }
+
+
+def check_resume(
+    run: RunDir, cfg: Config, data: CachedDataset, resume_from: Path | None, force: bool
+) -> None:
+    """Refuse (or, with `force`, warn about) a resume whose settings or images have changed."""
+    if resume_from is None:
+        return
+    saved = json.loads((resume_from / "progress.json").read_text())
+    now = fingerprint(cfg, data)
+    changes = [
+        f"{k}: {saved['settings'].get(k)!r} → {v!r}"
+        for k, v in now["settings"].items()
+        if saved["settings"].get(k) != v
+    ]
+    if saved.get("dataset") != now["dataset"]:
+        before, after = set(saved.get("dataset", [])), set(now["dataset"])
+        changes.append(
+            f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed"
+        )
+    if changes and not force:
+        raise KitError(
+            f"cannot resume {resume_from} exactly; changed since it was saved: "
+            + "; ".join(changes)
+            + " (pass --force to resume anyway)"
+        )
+    if changes:
+        warnings.warn("resuming despite changes: " + "; ".join(changes), stacklevel=2)
+
+
+def restore(s: TrainState, checkpoint: Path) -> None:
+    """Put a checkpoint's weights, optimizer, schedule, random streams and position back."""
+    state = ckpt.load_checkpoint(checkpoint)
+    s.method.load_state_dict(s.comps, state["adapter"])
+    if s.deepspeed:
+        load_sharded(s.denoiser, checkpoint)
+    elif state["optimizer"] is None:
+        raise KitError(
+            f"{checkpoint} was saved under DeepSpeed: its optimizer state is split across "
+            "processes; resume it with the same accelerate config file (accelerate launch "
+            "--config_file ...)"
+        )
+    else:
+        s.optimizer.load_state_dict(state["optimizer"])
+    s.scheduler.load_state_dict(state["scheduler"])
+    ckpt.set_rng_state(state["rng"], s.generator)
+    if s.ema is not None and "ema" in state["extras"]:
+        s.ema.load_state_dict(state["extras"]["ema"])
+    scaler = s.accelerator.scaler
+    if scaler is not None and "scaler" in state["extras"]:
+        scaler.load_state_dict(state["extras"]["scaler"])
+    s.step, s.epoch, s.position = (state["progress"][k] for k in ("step", "epoch", "position"))
+    s.cursor = (s.epoch, s.position)
+    if s.main:
+        truncate_metrics(s.run, s.step)
+
+
+def truncate_metrics(run: RunDir, step: int) -> None:
+    """Drop logged rows past the resumed step: those steps are trained again."""
+    rows = [r for r in run.read_metrics() if r.get("step", 0) <= step]
+    write_text(run.metrics, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _old_run_files(run: RunDir) -> list[Path]:
+    return [p for p in (run.checkpoints, run.metrics, run.validation) if p.exists()]
+
+
+def refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
+    """A new run may not write into an old one's folder unless asked to replace it."""
+    if not resume and not overwrite and _old_run_files(run):
+        raise KitError(
+            f"{run.root} already holds a run; resume it (--resume latest), "
+            "choose another output_dir, or pass --overwrite to replace it"
+        )
+
+
+def clear_run(run: RunDir) -> None:
+    """Delete an earlier run's checkpoints, logs and images (only once the new run can start)."""
+    for p in _old_run_files(run):
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()

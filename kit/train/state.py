@@ -1,0 +1,105 @@
+"""What one run holds once prepared, and what it returns: `prepare` builds it, `fit` advances it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit.config import Config
+from kit.data.cache import CachedDataset
+from kit.data.scan import ScanReport
+from kit.families import Components, Family
+from kit.precision import torch_dtype
+from kit.run.folder import RunDir
+from kit.train.objective import EMA, FixedLoss
+
+Callback = Callable[[dict[str, Any]], None]
+
+
+class StopTraining(Exception):
+    """Raised by a callback to end training early: a checkpoint is saved, as after Ctrl-C."""
+
+
+@dataclass
+class TrainResult:
+    """Where a run ended and what it wrote."""
+
+    run_dir: Path
+    step: int
+    checkpoint: Path | None
+    interrupted: bool = False
+    validation_grids: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class TrainState:
+    """One run, ready to step: what it trains, on what data, and how far it has got."""
+
+    cfg: Config
+    run: RunDir
+    accelerator: Any
+    precision: str
+    """The mixed precision actually used (`resolve_precision`)."""
+    family: Family
+    comps: Components
+    method: Any
+    """What is trained (`kit.methods.get_method`)."""
+    summary: Any
+    """What `method.attach` reported: the trained parts and their sizes."""
+    params: list[torch.nn.Parameter]
+    denoiser: Any
+    """The denoiser as `accelerator.prepare` returned it (wrapped under DDP or DeepSpeed)."""
+    optimizer: Any
+    scheduler: Any
+    ema: EMA | None
+    data: CachedDataset
+    fixed: FixedLoss
+    fixed_holdout: FixedLoss | None
+    empty_text: dict[str, torch.Tensor]
+    """The empty caption's embedding, for caption dropout (empty without dropout)."""
+    report: ScanReport
+    """The data report: every file left out or changed, with why."""
+    prompts: list[str]
+    emit: Callable[..., None]
+    """Sends an event (`kind=...`) to every callback."""
+    started_at: float
+    """Wall clock at the start, for the run archive."""
+    result: TrainResult
+    resume_from: Path | None
+    generator: torch.Generator
+    """The stream saved in checkpoints: the seed's, then that of the last batch drawn."""
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    """The next batch of this epoch (every process's share counted)."""
+    cursor: tuple[int, int] = (0, 0)
+    """(epoch, position) of the last finished optimizer step: where a resume starts reading."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype of the frozen base's weights."""
+        return torch_dtype(self.precision)
+
+    @property
+    def deepspeed(self) -> bool:
+        return self.accelerator.state.deepspeed_plugin is not None
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
