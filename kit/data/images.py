@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from kit.config import parse_color
+from kit.config.sections import parse_color
 from kit.errors import DataError
 
 ORIENTATION_TAG = 274
