@@ -71,10 +71,30 @@ def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, num_process
             num_training_steps=t.max_train_steps * num_processes,
             num_cycles=t.lr_num_cycles,
             power=t.lr_power,
-            step_rules=t.lr_step_rules or None,
+            step_rules=scale_step_rules(t.lr_step_rules, num_processes) or None,
         )
     except ValueError as e:
         raise ConfigError(f"lr_scheduler {t.lr_scheduler}: {e}") from None
+
+
+def scale_step_rules(rules: str, num_processes: int) -> str:
+    """`piecewise_constant` rules with each milestone multiplied by `num_processes`.
+
+    The rules count optimizer steps; accelerate steps the scheduler once per process per
+    optimizer step, so the milestones scale as warm-up and total steps do.
+    """
+    if not rules or num_processes == 1:
+        return rules
+    *pairs, last = rules.split(",")
+    scaled = []
+    for pair in pairs:
+        multiplier, sep, until = pair.partition(":")
+        if not sep or not until.strip().isdigit():
+            raise ConfigError(
+                f"lr_step_rules: {pair!r} in {rules!r} must be multiplier:step, e.g. '1:100,0.1'"
+            )
+        scaled.append(f"{multiplier}:{int(until) * num_processes}")
+    return ",".join([*scaled, last])
 
 
 def scale_learning_rate(learning_rate: float, from_batch: int, to_batch: int) -> float:

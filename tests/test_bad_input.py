@@ -176,11 +176,12 @@ def test_negative_bucket_step(capsys, make_config):
 
 
 def test_square_only_buckets_off_the_step_grid(capsys, make_config):
-    """Resolution 100 with sd15's step of 64 and no aspect freedom still has its square bucket."""
+    """Resolution 100 with sd15's step of 64 and no aspect freedom still has its square bucket:
+    the largest one within 100² pixels."""
     cfg = make_config(resolution=100, bucket_step=0, max_aspect_ratio=1.0)
     rc, out, err = kit(capsys, "buckets", cfg, "--json")
     assert rc == 0, err
-    assert [b["bucket"] for b in json.loads(out)["buckets"]] == ["128x128"]
+    assert [b["bucket"] for b in json.loads(out)["buckets"]] == ["64x64"]
 
 
 def test_buckets_of_a_good_config_work(capsys, make_config):

@@ -11,7 +11,7 @@ from PIL import Image
 
 from kit.cli import main as kit_main
 from kit.config import DataConfig, from_dict, load_config
-from kit.data.buckets import epoch_batches, plan_buckets
+from kit.data.buckets import epoch_batches, plan_buckets, with_mirrored
 from kit.data.pixels import sample_pixels
 from kit.data.report import aspect_histogram, bucket_report
 from kit.data.scan import Sample
@@ -51,26 +51,16 @@ def test_images_needing_too_much_upscale_are_dropped_with_the_factor():
     assert len(relaxed.samples) == 3 and not relaxed.dropped
 
 
-def test_random_flip_is_seeded_recorded_and_applied(tmp_path):
-    samples = [sample(128, 128, f"img_{i}.png") for i in range(40)]
-    flips = [p.flip for p in plan_buckets(samples, data_cfg(random_flip=True), 32, 0).placements]
-    assert 8 < sum(flips) < 32  # about half
-    assert flips == [
-        p.flip for p in plan_buckets(samples, data_cfg(random_flip=True), 32, 0).placements
-    ]
-    assert flips != [
-        p.flip for p in plan_buckets(samples, data_cfg(random_flip=True), 32, 1).placements
-    ]
-    assert not any(p.flip for p in plan_buckets(samples, data_cfg(), 32, 0).placements)
-
+def test_random_flip_twins_are_recorded_and_applied(tmp_path):
     path = tmp_path / "half.png"
     im = Image.new("RGB", (128, 128), (255, 0, 0))
     im.paste((0, 0, 255), (64, 0, 128, 128))  # left red, right blue
     im.save(path)
-    plan = plan_buckets([sample(128, 128, str(path))] * 1, data_cfg(random_flip=True), 32, 0)
-    p = plan.placements[0]
-    flipped = type(p)(**{**p.__dict__, "flip": True})
-    straight = type(p)(**{**p.__dict__, "flip": False})
+    plan = plan_buckets([sample(128, 128, str(path))], data_cfg(random_flip=True), 32, 0)
+    assert not any(p.flip for p in plan.placements)  # the plan itself is never mirrored
+    twins = with_mirrored(plan)
+    straight, flipped = twins.placements
+    assert twins.size == 1 and twins.samples == plan.samples * 2
     assert flipped.record()["flip"] is True and "flip" not in straight.record()
     a = sample_pixels(plan.samples[0], straight, data_cfg())
     b = sample_pixels(plan.samples[0], flipped, data_cfg())
@@ -152,7 +142,7 @@ def example_cfg(dataset: Path, **kw):
     return from_dict(fields)
 
 
-@pytest.mark.parametrize("policy", ["drop", "repeat", "merge"])
+@pytest.mark.parametrize("policy", ["keep", "drop", "repeat", "merge"])
 @pytest.mark.parametrize(("world", "accum"), [(1, 1), (2, 1), (1, 2), (2, 2)])
 def test_report_counts_what_the_trainer_loads(dataset, policy, world, accum):
     from kit.data.buckets import plan_dataset
@@ -177,6 +167,9 @@ def test_report_counts_what_the_trainer_loads(dataset, policy, world, accum):
         assert not report["dropped"]
     if policy == "repeat" and small:
         assert {b["repeats"] for b in report["buckets"] if b["count"] == 5} == {2}
+    if policy == "keep":  # short batches: nothing repeats, moves or goes
+        assert {b["repeats"] for b in report["buckets"]} == {1}
+        assert [b["count"] for b in report["buckets"]] == [5, 14, 5]
     if policy == "merge" and small:
         assert [b["count"] for b in report["buckets"]] == [24]
     # Enough epochs for max_train_steps, and no more.

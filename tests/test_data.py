@@ -223,7 +223,7 @@ def test_exif_rotated_image_reports_its_displayed_size(tmp_path):
     (s,) = load_samples(DataConfig(image_dir=str(folder)))
     assert (s.width, s.height) == (40, 80)
     bw, bh = assign_bucket(s.width, s.height, make_buckets(128, "area", 32, 2.0))
-    assert bh / bw == pytest.approx(2.0, rel=0.15)  # a tall bucket
+    assert bh / bw > 1.5  # a tall bucket (the tallest within 128² pixels is 96×160)
 
     x = load_pixels(path, Placement((40, 80), (40, 80), (0, 0), (40, 80)))
     assert tuple(x.shape) == (3, 80, 40)

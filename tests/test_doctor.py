@@ -241,6 +241,20 @@ def test_small_bucket(tmp_path):
     assert "bucket 128x32 holds 1 image(s) with train_batch_size 8" in f.evidence[0]
     assert "8.0× an image in a full batch" in f.evidence[0]
     assert "about 10 epochs" in f.evidence[0]
+    # Under `repeat` the lone image fills an effective batch of 8 by itself: shown 8 times.
+    make_run(
+        tmp_path,
+        steady_rows(30),
+        manifest=manifest,
+        train_batch_size=2,
+        gradient_accumulation_steps=4,
+        small_bucket_policy="repeat",
+        max_train_steps=30,
+    )
+    f = doctor.diagnose(run)[0]
+    assert f.code == "small_buckets" and f.severity == "warning"
+    assert "fewer than an effective batch of 8" in f.evidence[0]
+    assert "shows each 8× per epoch" in f.evidence[0] and "policy keep" in f.fix
 
 
 def test_identical_captions_and_missing_trigger(tmp_path):

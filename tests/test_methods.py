@@ -17,6 +17,7 @@ from kit.families import get_family
 from kit.methods import get_method
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
+from tests.conftest import TEXTUAL_INVERSION, write_run_config
 
 
 def _weights(run, step):
@@ -319,3 +320,17 @@ def test_textual_inversion_without_tokens_is_refused_before_anything_loads(tiny_
     cfg = from_dict({"pretrained_model": str(tiny_sd15), "network_type": "textual_inversion"})
     with pytest.raises(ConfigError, match="placeholder_tokens and initializer_token"):
         get_method(cfg, get_family("sd15", cfg))
+
+
+def test_deepspeed_refuses_a_run_that_trains_several_models(tmp_path, tiny_base, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    path = write_run_config(
+        tmp_path / "cfg.json",
+        base=tiny_base("sdxl"),
+        data=tmp_path / "no-data-needed",
+        family="sdxl",
+        **TEXTUAL_INVERSION,
+    )
+    with pytest.raises(KitError, match="trains 2 models.*DeepSpeed"):
+        train(load_config(path))
+    assert not (tmp_path / "run").exists()

@@ -65,6 +65,10 @@ class DataConfig:
     """Crop to the bucket at the centre; false crops at a seeded random offset."""
     cache_dir: str = field(default="", metadata=PATH)
     """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
+    latent_sampling: Literal["mean", "sample"] = "mean"
+    """What the cache keeps of the VAE's posterior: its `mean`, or one `sample` per image
+    (seeded by `seed` and the image, as kohya and diffusers' caching scripts draw). A single cached
+    sample is one fixed jitter, not fresh noise per epoch, so the mean stays the default."""
     alpha_background: str = "white"
     """Colour laid under transparent images (a colour name or `#rrggbb`), as they train as RGB."""
     min_image_size: int = 32
@@ -88,17 +92,22 @@ class DataConfig:
     tag_count_range: list[int] = field(default_factory=list)
     """`[min, max]`: keep a uniformly random number of tags in this range; empty is off."""
     caption_variants: int = 1
-    """Augmented variants precomputed per caption when text embeddings are cached."""
+    """Augmented versions of each caption, drawn once from the seed and cached; each step draws
+    one per sample. A fixed pool for the whole run (live text too): with 1, every sample trains
+    on one augmented caption throughout, so raise it for augmentation that varies."""
     buckets: list[list[int]] = field(default_factory=list)
     """Explicit `[[width, height], ...]` buckets (multiples of the bucket step); empty generates
     them from `resolution`, `resolution_type` and `max_aspect_ratio`."""
     max_upscale: float = 2.0
     """Largest factor an image may be enlarged to cover its bucket; smaller images are dropped."""
     random_flip: bool = False
-    """Mirror about half the images horizontally (chosen per image by the seed; cached as such)."""
-    small_bucket_policy: Literal["drop", "repeat", "merge"] = "repeat"
+    """Mirror images horizontally, each epoch a seeded coin per image (both orientations are
+    cached; SDXL's crop conditioning is mirrored with them)."""
+    small_bucket_policy: Literal["keep", "drop", "repeat", "merge"] = "keep"
     """A bucket with fewer images than one effective batch (batch × accumulation × processes):
-    `repeat` its images to fill one, `merge` them into the nearest bucket with enough, or `drop`."""
+    `keep` it, its images in a short batch (as kohya's trainer does), `repeat` its images to fill
+    one (oversampling that aspect ratio), `merge` them into the nearest bucket with enough, or
+    `drop`."""
 
     def __post_init__(self) -> None:
         if self.resolution < 32:
@@ -195,8 +204,9 @@ class NetworkConfig:
 
 @dataclass
 class ObjectiveConfig:
-    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = "logit_normal"
-    """How flow-matching families (sd3, flux, wan) draw σ; DDPM families draw timesteps uniformly."""
+    timestep_sampling: Literal["auto", "uniform", "logit_normal", "mode"] = "auto"
+    """How flow-matching families (sd3, flux, wan) draw σ; `auto` is `logit_normal`, or `uniform`
+    when `loss_weighting` is set (as diffusers pairs them). DDPM families draw uniformly."""
     logit_mean: float = 0.0
     """Mean of the logit-normal σ distribution."""
     logit_std: float = 1.0
@@ -204,11 +214,13 @@ class ObjectiveConfig:
     mode_scale: float = 1.29
     """Scale of `mode` σ sampling (SD3 paper)."""
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
-    """Per-sample loss weight for flow matching; `none` lets the σ sampling do the weighting."""
+    """Per-sample loss weight for flow matching; `none` lets the σ sampling do the weighting.
+    A weighting already favours the middle σ: with `logit_normal` too it weights them twice."""
     flow_shift: float = 0.0
     """σ shift for flow matching (>1 favours noisy steps); 0 takes the family's rule."""
-    train_guidance_scale: float = 1.0
-    """Guidance value given to guidance-distilled models (Flux dev's guidance embedding) in training."""
+    train_guidance_scale: float | None = None
+    """Guidance value given to guidance-distilled models (Flux dev's guidance embedding) in
+    training; empty takes the family's default (Flux: 3.5, as diffusers' and kohya's trainers)."""
     min_snr_gamma: float = 0.0
     """Min-SNR-γ loss weighting for epsilon / v models (5 is usual); 0 turns it off."""
     noise_offset: float = 0.0
@@ -216,7 +228,8 @@ class ObjectiveConfig:
     caption_dropout: float = 0.0
     """Share of samples trained on the empty caption's embedding (helps guidance); 0 turns it off."""
     ema_decay: float = 0.0
-    """Keep an exponential moving average of the trained weights with this decay (e.g. 0.999)."""
+    """Keep an exponential moving average of the trained weights with this decay (e.g. 0.999);
+    the decay ramps up as (1 + n) / (10 + n) over the first updates n, as in diffusers."""
     ema_on_cpu: bool = False
     """Hold the EMA copy in CPU memory instead of on the GPU."""
 
@@ -325,8 +338,10 @@ class ValidationConfig:
     """One image per seed and prompt; the grid has a column per seed."""
     validation_num_inference_steps: int = 25
     """Sampler steps per validation image."""
-    validation_guidance_scale: float = 7.5
-    """Classifier-free guidance scale."""
+    validation_guidance_scale: float | None = None
+    """Classifier-free guidance scale (Flux dev: its distilled guidance); empty takes the family's
+    default, what its diffusers pipeline draws with: sd15 7.5, sdxl 5, sd3 7, wan 5, flux 3.5.
+    The value used is written into each image's sidecar."""
     validation_resolution: int = 0
     """Side of the square validation images; 0 uses `resolution`."""
     validation_image_dir: str = field(default="", metadata=PATH)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,19 +19,27 @@ from kit.families import get_family
 def make_buckets(
     resolution: int, resolution_type: str, step: int, max_aspect_ratio: float
 ) -> list[tuple[int, int]]:
-    """(width, height) buckets, multiples of `step`, from square to `max_aspect_ratio`."""
-    # The square bucket nearest the resolution is always there, so square images are never cropped.
-    side = max(step, round(resolution / step) * step)
-    out: set[tuple[int, int]] = {(side, side)}
+    """(width, height) buckets, multiples of `step`, from square to `max_aspect_ratio`.
+
+    With `area`, no bucket holds more than `resolution`² pixels: the memory estimate and the
+    step time assume that, and a bigger bucket would only upscale the image.
+    """
     if resolution_type == "area":
+        # The largest square within the area is always there, so square images are never cropped.
+        side = max(step, resolution // step * step)
+        out: set[tuple[int, int]] = {(side, side)}
         area = resolution * resolution
         for w in range(step, int(resolution * math.sqrt(max_aspect_ratio)) + step + 1, step):
-            h = max(step, round(area / w / step) * step)
+            # Rounded down, never up: the bucket stays within the area (none if that is < step).
+            h = area // w // step * step
+            if h < step:
+                continue
             if max(w / h, h / w) <= max_aspect_ratio + 1e-6:
                 out.add((w, h))
                 out.add((h, w))
     else:
         short = max(step, round(resolution / step) * step)
+        out = {(short, short)}
         long = short
         while long / short <= max_aspect_ratio + 1e-6:
             out.add((long, short))
@@ -58,7 +66,8 @@ class Placement:
     frames: tuple[int, ...] = ()
     """The clip's frames taken, in order; empty for an image."""
     flip: bool = False
-    """Mirrored left to right after the crop."""
+    """Mirrored left to right before the crop: `crop` is then the offset in the mirrored image,
+    as SDXL's crop conditioning must see it (see `mirrored`)."""
 
     @property
     def num_frames(self) -> int:
@@ -82,11 +91,10 @@ def place(
     seed: int,
     frame_stride: int = 1,
     frame_start: str = "first",
-    flip: bool = False,
 ) -> Placement:
     """Resize to cover the bucket, then crop at the centre or a seeded offset; pick a clip's frames.
 
-    With `flip`, a seeded coin per sample decides whether it is mirrored.
+    Never mirrored: `mirrored` gives the other orientation of the same crop.
     """
     bw, bh = bucket
     scale = max(bw / sample.width, bh / sample.height)
@@ -102,8 +110,15 @@ def place(
         frames = video.select_frames(
             sample.total_frames, sample.frames, frame_stride, frame_start, key
         )
-    mirrored = flip and random.Random(f"{seed}-{sample.image.as_posix()}-flip").random() < 0.5
-    return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height), frames, mirrored)
+    return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height), frames)
+
+
+def mirrored(p: Placement) -> Placement:
+    """The same crop of the image, mirrored left to right: its left offset counts from the other
+    edge of the resized image, so the recorded crop describes the pixels trained on."""
+    (rw, _), (bw, _) = p.resized, p.bucket
+    top, left = p.crop
+    return replace(p, crop=(top, rw - left - bw), flip=True)
 
 
 def upscale_needed(sample: Sample, bucket: tuple[int, int]) -> float:
@@ -129,21 +144,45 @@ class BucketPlan:
     """Group → how many times each of its samples appears per epoch (absent: once)."""
     group_size: int = 1
     """Samples in one effective batch (batch × accumulation × processes)."""
+    flip_twins: bool = False
+    """The second half of `samples` and `placements` mirrors the first, sample by sample (see
+    `with_mirrored`): each epoch a seeded coin per sample picks which of the two trains."""
+
+    @property
+    def size(self) -> int:
+        """Distinct samples: a mirrored twin is the same sample in the other orientation."""
+        return len(self.placements) // 2 if self.flip_twins else len(self.placements)
 
     def counts(self) -> dict[tuple[int, int], int]:
         """Images (and clips) per bucket."""
-        return dict(Counter(p.bucket for p in self.placements))
+        return dict(Counter(p.bucket for p in self.placements[: self.size]))
 
     def frame_counts(self) -> dict[GroupKey, int]:
         """Samples per (width, height, frames): the groups batches are drawn from."""
-        return dict(Counter(_group(p) for p in self.placements))
+        return dict(Counter(_group(p) for p in self.placements[: self.size]))
 
     def groups(self) -> dict[GroupKey, list[int]]:
-        """Sample indices per group, in sample order."""
+        """Sample indices per group, in sample order (a twin's group is its sample's)."""
         out: dict[GroupKey, list[int]] = defaultdict(list)
-        for i, p in enumerate(self.placements):
+        for i, p in enumerate(self.placements[: self.size]):
             out[_group(p)].append(i)
         return dict(out)
+
+
+def with_mirrored(plan: BucketPlan) -> BucketPlan:
+    """The plan with every sample's mirrored twin after the samples (sample i's twin is i + n),
+    so that both orientations are cached and an epoch can train either."""
+    if plan.flip_twins:
+        return plan
+    twins = [mirrored(p) for p in plan.placements]
+    return replace(
+        plan, samples=plan.samples * 2, placements=plan.placements + twins, flip_twins=True
+    )
+
+
+def flip_coin(seed: int, epoch: int, sample: Sample) -> bool:
+    """Whether `sample` trains mirrored in this epoch: a fair coin of its own per epoch."""
+    return random.Random(f"{seed}-epoch-{epoch}-flip-{sample.image.as_posix()}").random() < 0.5
 
 
 def _group(p: Placement) -> GroupKey:
@@ -180,9 +219,7 @@ def plan_buckets(
     buckets = bucket_list(cfg, step)
 
     def fit(s: Sample, bucket: tuple[int, int]) -> Placement:
-        return place(
-            s, bucket, cfg.center_crop, seed, cfg.frame_stride, cfg.frame_start, cfg.random_flip
-        )
+        return place(s, bucket, cfg.center_crop, seed, cfg.frame_stride, cfg.frame_start)
 
     plan = BucketPlan(buckets, [], group_size=group_size)
     for s in samples:
@@ -210,6 +247,8 @@ def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any) -> None:
     if not small:
         return
     policy = cfg.small_bucket_policy
+    if policy == "keep":
+        return  # their images form a short batch, as in kohya's trainer
     if policy == "repeat":
         plan.repeats = {k: math.ceil(n_eff / len(idx)) for k, idx in small.items()}
         return
@@ -274,13 +313,18 @@ def epoch_batches(
     """The batches of one epoch, as the trainer runs them: one source of truth for counts.
 
     Shuffled within groups (a bucket and frame count, so a batch of clips stacks), small groups
-    repeated as planned, batches shuffled; never mixing groups. Process r of `world` takes
+    repeated as planned, batches shuffled; never mixing groups. With mirrored twins, each
+    sample's coin for the epoch picks its orientation; the batches are the same either way, so
+    counts do not depend on `random_flip`. Process r of `world` takes
     batches r, r + world, ...; a tail that cannot go to every process is left out (it waits for
     the next epoch's shuffle), so all processes step together.
     """
     rng = random.Random(f"{seed}-epoch-{epoch}")
     batches = []
+    n = plan.size
     for key, idx in sorted(plan.groups().items()):
+        if plan.flip_twins:
+            idx = [i + n if flip_coin(seed, epoch, plan.samples[i]) else i for i in idx]
         idx = idx * plan.repeats.get(key, 1)
         rng.shuffle(idx)
         batches += [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from kit.config import Config
 from kit.data import video
 from kit.data.augment import augmentation_enabled, caption_variants
-from kit.data.buckets import BucketPlan, plan_dataset
+from kit.data.buckets import BucketPlan, plan_dataset, with_mirrored
 from kit.data.images import BadImage
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
@@ -59,7 +59,8 @@ class CachedDataset:
     plan: BucketPlan
     latent_files: list[Path]
     text_files: list[Path]
-    """Per sample, the embedding of its first caption variant (the caption itself, unaugmented)."""
+    """Per sample, the embedding of its first caption variant: with one variant, the caption
+    trained on (augmented, when augmentation is on), as the live-text path encodes it."""
     digests: list[str]
     stats: dict[str, int] = field(default_factory=dict)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
@@ -70,6 +71,10 @@ class CachedDataset:
     """Per sample, the embedding file of each caption variant."""
     empty_text_file: Path | None = None
     """The empty caption's embedding (used by caption dropout), when wanted."""
+
+    def kept(self) -> list[Sample]:
+        """The samples trained on, once each (a mirrored twin is the same sample)."""
+        return self.samples[: self.plan.size]
 
     @property
     def variants(self) -> int:
@@ -95,12 +100,13 @@ class CachedDataset:
     ) -> dict[str, torch.Tensor]:
         """Stack the cached tensors of these samples, with each one's size and crop (h, w order).
 
-        `variants` picks each sample's caption variant (default: the first).
+        `variants` picks each sample's caption variant (default: the first, the one the live-text
+        path encodes too).
         """
         out: dict[str, list[torch.Tensor]] = defaultdict(list)
         for j, i in enumerate(indices):
             out["latents"].append(load_file(self.latent_files[i])["latents"])
-            text = self.variant_files[i][variants[j]] if variants else self.text_files[i]
+            text = self.variant_files[i][variants[j] if variants else 0]
             for k, v in load_file(text).items():
                 out[k].append(v)
             p = self.plan.placements[i]
@@ -122,16 +128,17 @@ class CachedDataset:
         return load_file(self.empty_text_file)
 
     def manifest(self) -> list[dict[str, Any]]:
-        """Per-sample record of what was trained on (file, hash, caption, bucket, crop)."""
-        return [
-            {
-                "image": str(s.image),
-                "sha256": d,
-                "caption": s.caption,
-                **{k: list(v) if isinstance(v, tuple) else v for k, v in p.record().items()},
-            }
-            for s, p, d in zip(self.samples, self.plan.placements, self.digests, strict=True)
-        ]
+        """Per-sample record of what was trained on (file, hash, caption, bucket, crop); a sample
+        that also trains mirrored gives its twin's crop as `mirrored_crop`."""
+        n, placements = self.plan.size, self.plan.placements
+        rows = []
+        for i, (s, p, d) in enumerate(zip(self.kept(), placements, self.digests, strict=False)):
+            row = {"image": str(s.image), "sha256": d, "caption": s.caption}
+            row.update({k: list(v) if isinstance(v, tuple) else v for k, v in p.record().items()})
+            if self.plan.flip_twins:
+                row["mirrored_crop"] = list(placements[i + n].crop)
+            rows.append(row)
+        return rows
 
 
 def plan_cache(
@@ -149,22 +156,31 @@ def plan_cache(
     Latents are keyed by the image's bytes, its placement (bucket, crop, flip, frames), the VAE's
     identity and the dtype; text embeddings by the text, the encoders' and tokenizers' identity
     and the dtype. A changed image or caption therefore misses exactly its own entries.
-    `family` and `scanned` go to `plan_dataset`, so that neither is built twice.
+    With `random_flip` every sample has a mirrored twin (its own entry, after the samples) and
+    each epoch trains one of the two. `family` and `scanned` go to `plan_dataset`, so that
+    neither is built twice.
     """
     samples, plan = plan_dataset(cfg, num_processes, family=family, scanned=scanned)
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     latent_dir = root / "latents" / identity["vae"]
     text_dir = root / "text" / identity["text"]
     digests = [file_digest(s.image) for s in samples]
+    twins = 2 if cfg.data.random_flip else 1
+    if twins == 2:
+        plan = with_mirrored(plan)
+        samples, digests = plan.samples, digests * 2
+    # A posterior sample is a seeded draw: the mode and the seed key it (the mean's keys stay).
+    drawn = () if cfg.data.latent_sampling == "mean" else ("sample", cfg.train.seed)
     latent_files = [
-        latent_dir / f"{_key(d, p.record(), str(dtype))}.safetensors"
+        latent_dir / f"{_key(d, p.record(), str(LATENT_DTYPE), *drawn)}.safetensors"
         for d, p in zip(digests, plan.placements, strict=True)
     ]
     augment = augmentation_enabled(cfg.data)
+    # A twin trains on its sample's captions: the same entries, encoded once.
     texts = [
         caption_variants(s.caption, cfg.data, cfg.train.seed) if augment else [s.caption]
-        for s in samples
-    ]
+        for s in samples[: plan.size]
+    ] * twins
 
     def text_file(text: str) -> Path:
         return text_dir / f"{_key(text, str(dtype))}.safetensors"
@@ -174,12 +190,26 @@ def plan_cache(
         samples,
         plan,
         latent_files,
-        [text_file(s.caption) for s in samples],
+        [fs[0] for fs in variant_files],
         digests,
         variant_texts=texts,
         variant_files=variant_files,
         empty_text_file=text_file("") if empty else None,
     )
+
+
+def posterior_draw(cfg: Config, entry: Path) -> dict[str, torch.Generator]:
+    """`encode_images` arguments for a cache entry: none for the posterior mean, else a
+    generator seeded by the entry's key (which holds the image, its placement and the seed)."""
+    if cfg.data.latent_sampling == "mean":
+        return {}
+    return {"generator": torch.Generator().manual_seed(int(entry.stem[:15], 16))}
+
+
+LATENT_DTYPE = torch.float32
+"""The VAE encodes the cache in fp32 whatever the training dtype: each image is encoded once, so
+this costs little, and in half precision some VAEs (SDXL's, whose config says `force_upcast`)
+overflow into inf and NaN. Following only `force_upcast` would miss VAEs that never set it."""
 
 
 def fill_cache(
@@ -204,6 +234,9 @@ def fill_cache(
     todo = [i for i, f in enumerate(data.latent_files) if not f.is_file()]
     stats["latents_reused"] = len(data.latent_files) - len(todo)
     bad: dict[int, str] = {}
+    vae_dtype = comps.vae.dtype if todo else None
+    if todo:
+        comps.vae.to(dtype=LATENT_DTYPE)  # back to its dtype once the latents are cached
     for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
         s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
         try:
@@ -214,9 +247,18 @@ def fill_cache(
         if family.video and pixels.ndim == 3:
             pixels = pixels.unsqueeze(1)  # a still image is a one-frame clip to a video model
         pixels = pixels.unsqueeze(0).to(device)
-        lat = family.encode_images(comps, pixels)[0].float().cpu().contiguous()
+        draw = posterior_draw(cfg, f)
+        lat = family.encode_images(comps, pixels, **draw)[0].float().cpu().contiguous()
+        if not torch.isfinite(lat).all():
+            comps.vae.to(dtype=vae_dtype)
+            raise DataError(
+                f"{s.image}: the VAE encoded this image to non-finite latents (inf or NaN); "
+                "nothing was cached for it. Check the file, or the VAE's weights"
+            )
         write_with(f, lambda tmp, lat=lat: save_file({"latents": lat}, str(tmp)))
         stats["latents_encoded"] += 1
+    if todo:
+        comps.vae.to(dtype=vae_dtype)
     if bad:
         _drop_undecodable(data, bad)
     wanted: dict[Path, str] = {}
@@ -271,7 +313,8 @@ def build_cache(
 ) -> CachedDataset:
     """Scan, bucket and encode the dataset, reusing cache entries made by earlier runs.
 
-    `dtype` is the encoders' (default: the VAE's); `empty` also caches the empty caption.
+    `dtype` keys the text embeddings, the text encoders' (default: the VAE's; latents are always
+    encoded in `LATENT_DTYPE`); `empty` also caches the empty caption.
     """
     if dtype is None:
         dtype = comps.vae.dtype if comps.vae is not None else torch.float32

@@ -17,8 +17,7 @@ from kit.data.scan import Sample
 
 def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torch.Tensor:
     """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so."""
-    pixels = load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
-    return pixels.flip(-1) if placement.flip else pixels
+    return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
 
 
 def load_pixels(
@@ -27,7 +26,8 @@ def load_pixels(
     background: str = "white",
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> torch.Tensor:
-    """The image fitted to its bucket, (3, H, W) in [-1, 1]; a clip's frames, (3, F, H, W).
+    """The image fitted to its bucket (mirrored if placed so), (3, H, W) in [-1, 1]; a clip's
+    frames, (3, F, H, W).
 
     An image that cannot be decoded raises `BadImage`; `background` fills transparent parts.
     """
@@ -42,8 +42,13 @@ def load_pixels(
 
 
 def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
-    """Resize and crop one picture to its bucket, as a (3, H, W) tensor in [-1, 1]."""
+    """Resize (and mirror) one picture, then crop it to its bucket: (3, H, W) in [-1, 1].
+
+    Mirrored before the crop, so the recorded crop is the offset in the pixels trained on.
+    """
     im = im.resize(placement.resized, Image.Resampling.LANCZOS)
+    if placement.flip:
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     top, left = placement.crop
     bw, bh = placement.bucket
     im = im.crop((left, top, left + bw, top + bh))

@@ -73,6 +73,30 @@ def frozen(*modules: nn.Module | None) -> None:
             m.eval()
 
 
+def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tensor:
+    """The VAE posterior's mean, or with `generator` a sample of it: mean + std · ε.
+
+    ε is drawn in fp32 on the CPU generator, so a seed gives the same latents on any device.
+    """
+    mean = dist.mean
+    if generator is None:
+        return mean
+    noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
+    return mean + dist.std * noise.to(mean)
+
+
+def flow_sampling(sampling: str, loss_weighting: str) -> str:
+    """The σ sampling a flow-matching run uses: `auto` becomes logit-normal, or uniform when a
+    loss weighting is chosen.
+
+    diffusers pairs `sigma_sqrt` and `cosmap` with uniform σ: the weight is the density
+    correction, so on top of logit-normal draws it would weight the middle twice.
+    """
+    if sampling != "auto":
+        return sampling
+    return "logit_normal" if loss_weighting == "none" else "uniform"
+
+
 @dataclass
 class ImageSpec:
     """Everything plain diffusers needs to draw the same image again."""
@@ -120,9 +144,17 @@ class Family(ABC):
     empty for one encoder, whose file holds a single tensor under the token's name."""
     video: bool = False
     """True when samples are clips (channels, frames, height, width) rather than images."""
+    default_guidance_scale: float = 7.5
+    """Validation guidance when the config sets none: what the family's diffusers pipeline
+    draws with by default (for guidance-distilled models, the distilled guidance input)."""
 
     def __init__(self, cfg: Config | None = None) -> None:
         self.cfg = cfg if cfg is not None else Config()
+
+    def guidance_scale(self) -> float:
+        """The validation guidance: the configured one, else the family's default."""
+        configured = self.cfg.validation.validation_guidance_scale
+        return self.default_guidance_scale if configured is None else float(configured)
 
     def frame_count(self, available: int) -> int:
         """The most frames (≤ available) a clip of this family may have; video families override."""
@@ -230,8 +262,13 @@ class Family(ABC):
         """
 
     @abstractmethod
-    def encode_images(self, comps: Components, pixels: torch.Tensor) -> torch.Tensor:
-        """Scaled latents of images in [-1, 1], shape (B, 3, H, W) (or (B, 3, F, H, W) for video)."""
+    def encode_images(
+        self, comps: Components, pixels: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Scaled latents of images in [-1, 1], shape (B, 3, H, W) (or (B, 3, F, H, W) for video).
+
+        The VAE posterior's mean, or with `generator` a sample of it (`posterior_latent`).
+        """
 
     # ------------------------------------------------------------ training
 
@@ -286,7 +323,7 @@ class Family(ABC):
         draw = flow_noise_and_target(
             latents,
             generator,
-            sampling=o.timestep_sampling,
+            sampling=flow_sampling(o.timestep_sampling, o.loss_weighting),
             logit_mean=o.logit_mean,
             logit_std=o.logit_std,
             mode_scale=o.mode_scale,
@@ -301,7 +338,9 @@ class Family(ABC):
         """The keyword arguments of the pipeline call that draws `spec` (recorded in sidecars)."""
         kwargs: dict[str, Any] = {
             "prompt": spec.prompt,
-            "negative_prompt": spec.negative_prompt or None,
+            # The string, even when empty: ComfyUI and A1111 encode an empty negative prompt, and
+            # SDXL's pipeline would draw with zeros for None (`force_zeros_for_empty_prompt`).
+            "negative_prompt": spec.negative_prompt,
             "num_inference_steps": spec.num_inference_steps,
             "guidance_scale": spec.guidance_scale,
             "width": spec.width,

@@ -14,7 +14,7 @@ import torch
 
 from kit.errors import ConfigError
 from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -57,6 +57,10 @@ class Flux(Family):
         "to_add_out",
     )
     pipeline_class = "FluxPipeline"
+    # Flux dev's distilled guidance, not a CFG scale: FluxPipeline samples with 3.5 by default,
+    # and diffusers' and kohya's Flux trainers feed the same 3.5 in training.
+    default_guidance_scale = 3.5
+    default_train_guidance_scale = 3.5
     pipeline_kwargs: dict[str, Any] = {}
     lora_layers_kwarg = "transformer_lora_layers"
     export_formats = ("diffusers",)
@@ -71,6 +75,11 @@ class Flux(Family):
             )
         if not self.cfg.model.use_t5:
             raise ConfigError("use_t5: flux cannot run without its T5 text encoder; set it to true")
+
+    def train_guidance_scale(self) -> float:
+        """The guidance fed to a guidance-embedding model in training: configured, else 3.5."""
+        configured = self.cfg.objective.train_guidance_scale
+        return self.default_train_guidance_scale if configured is None else float(configured)
 
     def max_sequence_length(self) -> int:
         """T5 tokens per caption: the configured length, else FluxPipeline's default."""
@@ -138,11 +147,11 @@ class Flux(Family):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     @torch.no_grad()
-    def encode_images(self, comps, pixels):
+    def encode_images(self, comps, pixels, generator=None):
         vae = comps.vae
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        # The mean, not a sample: the cache then holds one exact value per image.
-        return (dist.mean - vae.config.shift_factor) * vae.config.scaling_factor
+        latents = posterior_latent(dist, generator)
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
     # ------------------------------------------------------------ training
 
@@ -182,7 +191,7 @@ class Flux(Family):
             timesteps,
             cond["prompt_embeds"],
             cond["pooled_prompt_embeds"],
-            self.cfg.objective.train_guidance_scale,
+            self.train_guidance_scale(),
         )
         out = transformer(**kwargs, return_dict=False)[0]
         return unpack_latents(out, noisy.shape[-2], noisy.shape[-1])
@@ -255,7 +264,7 @@ class Flux(Family):
             torch.zeros(batch, **meta),
             torch.zeros(batch, seq, config.joint_attention_dim, **meta),
             torch.zeros(batch, config.pooled_projection_dim, **meta),
-            self.cfg.objective.train_guidance_scale,
+            self.train_guidance_scale(),
         )
         # The packed image tokens go first: the estimator counts positional inputs as block inputs.
         return (kwargs.pop("hidden_states"),), kwargs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family
+from kit.families.base import PARTS, Components, Family, posterior_latent
 from kit.families.identity import saved_scheduler
 
 
@@ -20,6 +20,7 @@ class SD15(Family):
     base_model_version = "sd_v1"
     modelspec_architecture = "stable-diffusion-v1/lora"
     pipeline_class = "StableDiffusionPipeline"
+    default_guidance_scale = 7.5  # StableDiffusionPipeline's default
     pipeline_kwargs = {"safety_checker": None, "requires_safety_checker": False}
 
     def load(
@@ -60,12 +61,11 @@ class SD15(Family):
         return {"prompt_embeds": enc(ids)[0]}
 
     @torch.no_grad()
-    def encode_images(self, comps, pixels):
+    def encode_images(self, comps, pixels, generator=None):
         vae = comps.vae
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         shift = getattr(vae.config, "shift_factor", None) or 0.0
-        # The mean, not a sample: the cache then holds one exact value per image.
-        return (dist.mean - shift) * vae.config.scaling_factor
+        return (posterior_latent(dist, generator) - shift) * vae.config.scaling_factor
 
     def predict(self, comps, noisy, timesteps, cond):
         return comps.denoiser(noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"]).sample

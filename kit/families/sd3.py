@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ class SD3(Family):
         "to_add_out",
     )
     pipeline_class = "StableDiffusion3Pipeline"
+    default_guidance_scale = 7.0  # StableDiffusion3Pipeline's default
     lora_layers_kwarg = "transformer_lora_layers"
     # ComfyUI loads SD3 LoRAs in the diffusers key layout.
     export_formats = ("diffusers",)
@@ -132,12 +133,11 @@ class SD3(Family):
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     @torch.no_grad()
-    def encode_images(self, comps, pixels):
+    def encode_images(self, comps, pixels, generator=None):
         vae = comps.vae
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
         shift = vae.config.shift_factor or 0.0
-        # The mean, not a sample: the cache then holds one exact value per image.
-        return (dist.mean - shift) * vae.config.scaling_factor
+        return (posterior_latent(dist, generator) - shift) * vae.config.scaling_factor
 
     # ------------------------------------------------------------ training
 

@@ -7,11 +7,24 @@ from typing import Any
 import torch
 
 from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family
+from kit.families.base import PARTS, Components, Family, posterior_latent
 from kit.families.identity import saved_scheduler
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
+
+
+def pool_at_eos(encoder: Any, tokenizer: Any) -> None:
+    """Make the CLIP encoder pool at the first EOS token, as A1111 and ComfyUI read it.
+
+    SDXL's second encoder ships with `eos_token_id: 2`, for which transformers pools at the
+    highest token id: the EOS token until textual inversion adds a placeholder above it, which
+    would then be pooled instead. The kit's validation pipeline shares this encoder, so it draws
+    with the pooled vector training sees.
+    """
+    model = getattr(encoder, "text_model", None)
+    if model is not None and hasattr(model, "eos_token_id"):
+        model.eos_token_id = tokenizer.eos_token_id
 
 
 @register
@@ -26,6 +39,7 @@ class SDXL(Family):
     base_model_version = "sdxl_base_v1-0"
     modelspec_architecture = "stable-diffusion-xl-v1-base/lora"
     pipeline_class = "StableDiffusionXLPipeline"
+    default_guidance_scale = 5.0  # StableDiffusionXLPipeline's default
     # The pipeline watermarks its output whenever invisible-watermark is installed; off, so the
     # kit's images and a plain diffusers redraw agree on any machine.
     pipeline_kwargs = {"add_watermarker": False}
@@ -42,7 +56,7 @@ class SDXL(Family):
         scheduler = DDPMScheduler.from_pretrained(
             pretrained, subfolder="scheduler", revision=revision
         )
-        return self.load_parts(
+        comps = self.load_parts(
             pretrained,
             parts,
             revision=revision,
@@ -57,6 +71,9 @@ class SDXL(Family):
             tokenizers=list(self._tokenizers(pretrained, revision).values()),
             scheduler=scheduler,
         )
+        if comps.text_encoders:
+            pool_at_eos(comps.text_encoders[1], comps.tokenizers[1])
+        return comps
 
     def load_tokenizers(self, pretrained):
         return self._tokenizers(pretrained)
@@ -71,26 +88,30 @@ class SDXL(Family):
 
     def encode_text(self, comps, captions):
         # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders
-        # side by side, and the second encoder's projected pooled output.
-        hidden, pooled = [], None
+        # side by side, and the second encoder's projected pooled output, read at the first EOS
+        # token whatever the encoder's config says (see `pool_at_eos`).
+        hidden = []
         for tok, enc in zip(comps.tokenizers, comps.text_encoders, strict=True):
+            bare = getattr(enc, "module", enc)  # a trained encoder is wrapped under DDP
             ids = tok(
                 captions,
                 padding="max_length",
                 max_length=tok.model_max_length,
                 truncation=True,
                 return_tensors="pt",
-            ).input_ids.to(enc.device)
+            ).input_ids.to(bare.device)
             out = enc(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
-            pooled = out[0]
+        eos = (ids == tok.eos_token_id).int().argmax(dim=-1)
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        pooled = bare.text_projection(out.last_hidden_state[rows, eos])
         return {"prompt_embeds": torch.cat(hidden, dim=-1), "pooled_prompt_embeds": pooled}
 
     @torch.no_grad()
-    def encode_images(self, comps, pixels):
+    def encode_images(self, comps, pixels, generator=None):
         vae = comps.vae
-        # The mean, not a sample: the cache then holds one exact value per image.
-        mean = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mean
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        mean = posterior_latent(dist, generator)
         cfg = vae.config
         # The inverse of the pipeline's decode, which uses per-channel stats when the VAE has them.
         mu, sd = cfg.get("latents_mean"), cfg.get("latents_std")

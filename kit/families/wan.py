@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import saved_scheduler
 
 TEMPORAL_FACTOR = 4
@@ -32,6 +32,7 @@ class Wan(Family):
     # all frames' tokens at once (spatio-temporal), and attn2 attends to the text.
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_class = "WanPipeline"
+    default_guidance_scale = 5.0  # WanPipeline's default
     lora_layers_kwarg = "transformer_lora_layers"
     export_formats = ("diffusers",)
     video = True
@@ -117,15 +118,15 @@ class Wan(Family):
         return {"prompt_embeds": torch.where(mask.bool().unsqueeze(-1), embeds, 0.0)}
 
     @torch.no_grad()
-    def encode_images(self, comps, pixels):
+    def encode_images(self, comps, pixels, generator=None):
         vae = comps.vae
         if pixels.ndim == 4:
             pixels = pixels.unsqueeze(2)  # (B, 3, H, W) → a one-frame clip
         dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        mean, std = _latent_stats(vae, dist.mean)
-        # The inverse of WanPipeline's decode (latents * std + mean); the mean, not a sample, so
-        # the cache holds one exact value per clip.
-        return (dist.mean - mean) / std
+        latents = posterior_latent(dist, generator)
+        mean, std = _latent_stats(vae, latents)
+        # The inverse of WanPipeline's decode (latents * std + mean).
+        return (latents - mean) / std
 
     # ------------------------------------------------------------ training
 
@@ -156,7 +157,7 @@ class Wan(Family):
     def call_kwargs(self, spec):
         kwargs: dict[str, Any] = {
             "prompt": spec.prompt,
-            "negative_prompt": spec.negative_prompt or None,
+            "negative_prompt": spec.negative_prompt,  # WanPipeline reads None as "" too
             "height": spec.height,
             "width": spec.width,
             "num_frames": self.frame_count(self.cfg.data.num_frames),

@@ -255,6 +255,11 @@ class Lycoris(Adapter):
             f"{family.name} has no kohya export (its formats: {', '.join(family.export_formats)})"
         )
 
+    def __init__(self, cfg: Config, family: Family) -> None:
+        super().__init__(cfg, family)
+        # A dropped module's factors get no gradient that step; DDP must be told to expect it.
+        self.leaves_unused = cfg.network.module_dropout > 0
+
     def export_formats(self) -> tuple[str, ...]:
         return tuple(f for f in self.family.export_formats if f == "kohya")
 

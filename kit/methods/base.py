@@ -48,6 +48,13 @@ class Method:
     """The planner's starting rate at an effective batch of 8 (update scale alpha/rank = 1)."""
     live_text = False
     """True when gradients reach the text encoders: captions are encoded every step, not cached."""
+    trains_denoiser = True
+    """The denoiser holds trained parameters (an adapter or its own weights): accelerate wraps
+    it, so its gradients are averaged across processes."""
+    whole_denoiser = False
+    """Every weight of the denoiser trains: it stays fp32 instead of taking the half dtype."""
+    leaves_unused = False
+    """A step may leave some trained parameters without a gradient (DDP must then look for them)."""
 
     def __init__(self, cfg: Config, family: Family) -> None:
         self.cfg = cfg
@@ -77,6 +84,13 @@ class Method:
     def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
         """Put saved trained weights back."""
         raise NotImplementedError
+
+    def trained_text_encoders(self) -> tuple[int, ...]:
+        """Indices of the text encoders that train: kept fp32, wrapped by accelerate (none here)."""
+        return ()
+
+    def before_clip(self, comps: Components) -> None:
+        """Upkeep of the gradients before they are clipped and measured (nothing by default)."""
 
     def after_step(self, comps: Components) -> None:
         """Upkeep after each optimizer step (nothing by default)."""

@@ -31,15 +31,22 @@ class Full(Method):
     name = "full"
     title = "full fine-tuning"
     base_learning_rate = 2e-6
+    whole_denoiser = True
 
     def __init__(self, cfg: Config, family: Family) -> None:
         super().__init__(cfg, family)
         self.live_text = cfg.network.train_text_encoder
+        # Families that condition on a text encoder's penultimate layer (SDXL) never use its
+        # last layer: under DDP those parameters get no gradient.
+        self.leaves_unused = self.live_text
+
+    def trained_text_encoders(self) -> tuple[int, ...]:
+        return (0,) if self.live_text else ()
 
     def _trained(self, comps: Components) -> dict[str, nn.Module]:
         parts = {"denoiser": unwrap(comps.denoiser)}
         if self.live_text:
-            parts["text_encoder"] = comps.text_encoders[0]
+            parts["text_encoder"] = unwrap(comps.text_encoders[0])
         return parts
 
     def attach(self, comps: Components) -> NetworkSummary:

@@ -14,7 +14,14 @@ from kit.errors import ConfigError
 from kit.families import Components, Family
 from kit.io import write_with
 from kit.methods import register
-from kit.methods.base import Apply, Method, NetworkSummary, freeze_all, text_encoder_parts
+from kit.methods.base import (
+    Apply,
+    Method,
+    NetworkSummary,
+    freeze_all,
+    text_encoder_parts,
+    unwrap,
+)
 
 
 def _file_stem(token: str) -> str:
@@ -30,6 +37,9 @@ class TextualInversion(Method):
     title = "textual inversion"
     base_learning_rate = 5e-3
     live_text = True
+    # Only embedding rows train; the denoiser is frozen whole, and accelerate wrapping a module
+    # without a trained parameter is an error under DDP.
+    trains_denoiser = False
 
     def __init__(self, cfg: Config, family: Family) -> None:
         super().__init__(cfg, family)
@@ -105,30 +115,51 @@ class TextualInversion(Method):
         total = sum(p.numel() for m in comps.frozen_modules() for p in m.parameters())
         return NetworkSummary(self.name, names, per, n, total)
 
+    def trained_text_encoders(self) -> tuple[int, ...]:
+        # Kept fp32 whole, as diffusers' textual-inversion example does: the new rows are fp32,
+        # and an encoder in a half dtype around them fails at the first layer.
+        return tuple(range(len(self.family.text_subfolders)))
+
+    def _weights(self, comps: Components) -> list[nn.Parameter]:
+        # The encoders may be wrapped by accelerate (DDP keeps the module in `.module`).
+        return [unwrap(enc).get_input_embeddings().weight for enc in comps.text_encoders]
+
     def parameters(self, comps: Components) -> list[nn.Parameter]:
-        return [enc.get_input_embeddings().weight for enc in comps.text_encoders]
+        return self._weights(comps)
+
+    def _others(self, ids: list[int], rows: int) -> torch.Tensor:
+        """A mask of the rows that are not the new tokens'."""
+        keep = torch.ones(rows, dtype=torch.bool)
+        keep[ids] = False
+        return keep
+
+    @torch.no_grad()
+    def before_clip(self, comps: Components) -> None:
+        # Every row but the new ones is put back after the step: their gradients would only
+        # inflate the norm that clipping and the logged grad_norm see.
+        for ids, weight in zip(self.ids, self._weights(comps), strict=True):
+            if weight.grad is not None:
+                weight.grad[self._others(ids, weight.shape[0]).to(weight.grad.device)] = 0
 
     @torch.no_grad()
     def after_step(self, comps: Components) -> None:
         # Only the new rows may change: put every other row back exactly.
-        for ids, enc, frozen in zip(self.ids, comps.text_encoders, self.frozen_rows, strict=True):
-            weight = enc.get_input_embeddings().weight
-            keep = torch.ones(weight.shape[0], dtype=torch.bool)
-            keep[ids] = False
+        for ids, weight, frozen in zip(
+            self.ids, self._weights(comps), self.frozen_rows, strict=True
+        ):
+            keep = self._others(ids, weight.shape[0])
             weight[keep] = frozen[keep].to(weight)
 
     def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
         out = {}
-        for i, (ids, enc) in enumerate(zip(self.ids, comps.text_encoders, strict=True)):
-            weight = enc.get_input_embeddings().weight
+        for i, (ids, weight) in enumerate(zip(self.ids, self._weights(comps), strict=True)):
             for token, row in zip(self.tokens, ids, strict=True):
                 out[f"{i}:{token}"] = weight[row].detach().clone()
         return out
 
     @torch.no_grad()
     def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
-        for i, (ids, enc) in enumerate(zip(self.ids, comps.text_encoders, strict=True)):
-            weight = enc.get_input_embeddings().weight
+        for i, (ids, weight) in enumerate(zip(self.ids, self._weights(comps), strict=True)):
             for token, row in zip(self.tokens, ids, strict=True):
                 weight[row] = state[f"{i}:{token}"].to(weight)
 

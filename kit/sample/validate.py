@@ -11,7 +11,7 @@ from PIL import Image, ImageDraw
 
 from kit.config import Config, load_config
 from kit.errors import KitError
-from kit.families.base import ImageSpec
+from kit.families.base import Family, ImageSpec
 from kit.families.loading import load_base
 from kit.io import write_json, write_with
 from kit.methods import get_method
@@ -32,8 +32,10 @@ def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
     return seen or ["a photo"]
 
 
-def image_specs(cfg: Config, prompts: list[str], adapter_scale: float = 1.0) -> list[ImageSpec]:
-    """One spec per prompt and seed, prompts as rows."""
+def image_specs(
+    cfg: Config, family: Family, prompts: list[str], adapter_scale: float = 1.0
+) -> list[ImageSpec]:
+    """One spec per prompt and seed, prompts as rows; guidance as configured, else the family's."""
     v = cfg.validation
     side = v.validation_resolution or cfg.data.resolution
     return [
@@ -42,7 +44,7 @@ def image_specs(cfg: Config, prompts: list[str], adapter_scale: float = 1.0) -> 
             negative_prompt=v.validation_negative_prompt,
             seed=s,
             num_inference_steps=v.validation_num_inference_steps,
-            guidance_scale=v.validation_guidance_scale,
+            guidance_scale=family.guidance_scale(),
             width=side,
             height=side,
             adapter_scale=adapter_scale,
@@ -167,7 +169,7 @@ def draw_checkpoint(
     if prompts is None:
         captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
         prompts = default_prompts(cfg, captions)
-    specs = [s for p in prompts for scale in scales for s in image_specs(cfg, [p], scale)]
+    specs = [s for p in prompts for scale in scales for s in image_specs(cfg, family, [p], scale)]
     return run_validation(
         family,
         family.pipeline(comps),

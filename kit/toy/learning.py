@@ -131,7 +131,7 @@ def learning_report(
                     v.validation_negative_prompt,
                     s,
                     v.validation_num_inference_steps,
-                    v.validation_guidance_scale,
+                    family.guidance_scale(),
                     side,
                     side,
                     adapter_scale=scale,

@@ -47,12 +47,23 @@ def deepspeed_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 
 
-def make_accelerator(cfg: Config, run: RunDir) -> tuple[Any, str]:
-    """accelerate's Accelerator for this run, and the precision actually used."""
+def make_accelerator(
+    cfg: Config, run: RunDir, *, unused_parameters: bool = False
+) -> tuple[Any, str]:
+    """accelerate's Accelerator for this run, and the precision actually used.
+
+    `unused_parameters`: a step may leave trained parameters without a gradient (the method's
+    `leaves_unused`), which DDP must be told or it fails on the next step.
+    """
     # accelerate is imported here: it is slow to import, and only training needs it.
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs, ProjectConfiguration
+    from accelerate.utils import (
+        DistributedDataParallelKwargs,
+        GradScalerKwargs,
+        InitProcessGroupKwargs,
+        ProjectConfiguration,
+    )
 
     t = cfg.train
     precision = resolve_precision(t.mixed_precision)
@@ -66,6 +77,9 @@ def make_accelerator(cfg: Config, run: RunDir) -> tuple[Any, str]:
                 growth_interval=t.grad_scaler_growth_interval,
             )
         )
+    if unused_parameters:
+        # Costs a walk of the autograd graph per step, so only when the method needs it.
+        handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     on_cpu = not torch.cuda.is_available()
     deepspeed = deepspeed_launch()
     if on_cpu and deepspeed:

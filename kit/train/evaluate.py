@@ -22,13 +22,20 @@ def validate(s: TrainState, step: int) -> Path:
         for m in rest.frozen_modules():
             m.to(s.device, dtype=s.weight_dtype)
         comps.take_parts(rest)
-    pipe = s.family.pipeline(replace(comps, denoiser=s.accelerator.unwrap_model(s.denoiser)))
+    bare = s.accelerator.unwrap_model
+    pipe = s.family.pipeline(
+        replace(
+            comps,
+            denoiser=bare(s.denoiser),
+            text_encoders=[bare(e) for e in comps.text_encoders],
+        )
+    )
     s.denoiser.eval()
     with swap, s.accelerator.autocast():
         grid = run_validation(
             s.family,
             pipe,
-            image_specs(cfg, s.prompts),
+            image_specs(cfg, s.family, s.prompts),
             s.run.validation_step(step),
             cols=len(cfg.validation.validation_seeds),
             meta={"base_model": cfg.model.pretrained_model, "step": step},

@@ -81,13 +81,20 @@ class FixedLoss:
 
 class EMA:
     """An exponential moving average of the trained weights (diffusers' EMAModel), optionally
-    held in CPU memory between steps."""
+    held in CPU memory between steps.
+
+    The decay warms up as diffusers' does by default: (1 + n) / (10 + n) after n updates,
+    capped at `decay`. A fixed decay from the first step would keep the average near the
+    starting weights for thousands of steps (0.9999 holds 5% of what was learned by step
+    1000), and the average is what validation draws and export writes. The update count is
+    part of the saved state, so a resumed run continues the ramp where it stopped.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], decay: float, on_cpu: bool) -> None:
         from diffusers.training_utils import EMAModel
 
         self.on_cpu = on_cpu
-        self.model = EMAModel(params, decay=decay, min_decay=decay, use_ema_warmup=False)
+        self.model = EMAModel(params, decay=decay, min_decay=0.0, use_ema_warmup=False)
         if on_cpu:
             self.model.to("cpu")
 

@@ -14,6 +14,7 @@ import torch
 from kit.config import Config
 from kit.data.cache import CachedDataset, fill_cache, plan_cache
 from kit.data.scan import ScanReport, check_dataset
+from kit.errors import KitError
 from kit.families import Family, get_family
 from kit.families.loading import load_base
 from kit.io import write_text
@@ -23,7 +24,7 @@ from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
 from kit.sample.validate import default_prompts
-from kit.train.accel import make_accelerator
+from kit.train.accel import deepspeed_launch, make_accelerator
 from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss
 from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
@@ -43,36 +44,47 @@ def prepare(
     started_at = time.time()  # wall clock, for the run archive
     t, o = cfg.train, cfg.objective
     run = RunDir(Path(t.output_dir))
-    accelerator, precision = make_accelerator(cfg, run)
+    family = get_family(cfg.model.model_family, cfg)
+    method = get_method(cfg, family)  # a pair that cannot be trained is refused here
+    _refuse_deepspeed_with_several_models(method)
+    accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)
     device = accelerator.device
     weight_dtype = torch_dtype(precision)  # the frozen base's; trained weights stay fp32
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     refuse_mixed_runs(run, resume, overwrite)
-    family = get_family(cfg.model.model_family, cfg)
-    method = get_method(cfg, family)  # a pair that cannot be trained is refused here
     # A dataset without one usable file fails here, before any download or deletion. This is
     # the run's only scan: the cache plan below buckets its samples.
     scanned = check_dataset(cfg.data, family)
     # The cache is planned first: parts whose every entry is cached are never loaded.
     identity = family.identity(cfg.model.pretrained_model, cfg.model.revision)
     dropout = o.caption_dropout > 0  # only caption dropout needs the empty caption
+    # Text is cached in the dtype the encoders run in: fp32 where one of them trains.
+    text_dtype = torch.float32 if method.trained_text_encoders() else weight_dtype
     data = plan_cache(
         cfg,
         identity,
-        weight_dtype,
+        text_dtype,
         num_processes=accelerator.num_processes,
         empty=dropout,
         family=family,
         scanned=scanned,
     )
-    holdout = _holdout(cfg, identity, weight_dtype, family)
+    holdout = _holdout(cfg, identity, text_dtype, family)
     _, comps = load_base(cfg, parts=_parts_needed(method, data, holdout), family=family)
+    # What trains whole stays fp32 (diffusers' examples do the same): a trained text encoder,
+    # a fully trained denoiser. The VAE encodes the cache in fp32 (fill_cache), then joins the
+    # frozen parts in the half dtype; the pipelines upcast it to decode when its config asks.
+    keep = [comps.text_encoders[i] for i in method.trained_text_encoders()]
+    if method.whole_denoiser:
+        keep.append(comps.denoiser)
     for m in comps.frozen_modules():
-        m.to(device, dtype=weight_dtype)
+        m.to(device, dtype=None if any(m is k for k in keep) or m is comps.vae else weight_dtype)
     fill_cache(data, cfg, family, comps, device)
     if holdout is not None:
         fill_cache(holdout, cfg, family, comps, device)
+    if comps.vae is not None:
+        comps.vae.to(dtype=weight_dtype)
     report = _data_report(scanned, data)
     empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
     check_resume(run, cfg, data, resume_from, force)
@@ -89,9 +101,9 @@ def prepare(
     comps.denoiser.train()
     optimizer = make_optimizer(params, t)
     scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
-    # Under DeepSpeed too accelerate steps this schedule (the engine steps only its own kinds).
-    denoiser, optimizer, scheduler = accelerator.prepare(comps.denoiser, optimizer, scheduler)
-    comps.denoiser = denoiser  # the family calls whatever accelerate wrapped
+    trained, optimizer, scheduler = _prepare_trained(
+        accelerator, method, comps, optimizer, scheduler
+    )
     ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
     # Saved in checkpoints; batches draw from streams of their own.
     generator = torch.Generator().manual_seed(t.seed)
@@ -111,7 +123,8 @@ def prepare(
         method=method,
         summary=summary,
         params=params,
-        denoiser=denoiser,
+        denoiser=comps.denoiser,
+        trained=trained,
         optimizer=optimizer,
         scheduler=scheduler,
         ema=ema,
@@ -137,6 +150,41 @@ def prepare(
     start_trackers(accelerator, cfg)
     s.prompts = default_prompts(cfg, [x.caption for x in data.samples])
     return s
+
+
+def _refuse_deepspeed_with_several_models(method: Any) -> None:
+    """accelerate gives DeepSpeed one model per engine; a run that trains several (a text
+    encoder beside the denoiser, or two text encoders) cannot run under it."""
+    count = int(method.trains_denoiser) + len(method.trained_text_encoders())
+    if deepspeed_launch() and count > 1:
+        raise KitError(
+            f"network_type {method.name} trains {count} models here (the denoiser and/or text "
+            "encoders), and DeepSpeed under accelerate trains one; launch it without DeepSpeed "
+            "(kit accelerate-config without --deepspeed-stage), or train fewer parts "
+            "(train_text_encoder: false)"
+        )
+
+
+def _prepare_trained(
+    accelerator: Any, method: Any, comps: Any, optimizer: Any, scheduler: Any
+) -> tuple[list[Any], Any, Any]:
+    """Give accelerate the modules that hold trained parameters (and the optimizer and schedule),
+    so that their gradients are averaged across processes: the trained modules as wrapped, the
+    optimizer and the schedule. The family then calls whatever accelerate wrapped.
+
+    A module without a trained parameter is left out: DDP refuses one.
+    """
+    encoders = method.trained_text_encoders()
+    models = ([comps.denoiser] if method.trains_denoiser else []) + [
+        comps.text_encoders[i] for i in encoders
+    ]
+    # Under DeepSpeed too accelerate steps this schedule (the engine steps only its own kinds).
+    *wrapped, optimizer, scheduler = accelerator.prepare(*models, optimizer, scheduler)
+    if method.trains_denoiser:
+        comps.denoiser = wrapped[0]
+    for i, m in zip(encoders, wrapped[len(wrapped) - len(encoders) :], strict=True):
+        comps.text_encoders[i] = m
+    return wrapped, optimizer, scheduler
 
 
 def _holdout(
@@ -169,7 +217,7 @@ def _parts_needed(
 def _data_report(scanned: ScanReport, data: CachedDataset) -> ScanReport:
     """The scan as training uses it: the samples kept after bucketing, and the images whose
     headers read fine but whose pixels did not (found while caching) among the unreadable."""
-    return replace(scanned, samples=data.samples, unreadable=scanned.unreadable + data.skipped)
+    return replace(scanned, samples=data.kept(), unreadable=scanned.unreadable + data.skipped)
 
 
 def _write_run_files(s: TrainState) -> None:

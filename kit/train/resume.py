@@ -62,7 +62,7 @@ def restore(s: TrainState, checkpoint: Path) -> None:
     state = ckpt.load_checkpoint(checkpoint)
     s.method.load_state_dict(s.comps, state["adapter"])
     if s.deepspeed:
-        load_sharded(s.denoiser, checkpoint)
+        load_sharded(s.trained[0], checkpoint)  # the DeepSpeed engine
     elif state["optimizer"] is None:
         raise KitError(
             f"{checkpoint} was saved under DeepSpeed: its optimizer state is split across "

@@ -24,7 +24,7 @@ def save(s: TrainState, step: int) -> Path | None:
     if s.main:
         shutil.rmtree(staged, ignore_errors=True)
     s.accelerator.wait_for_everyone()
-    save_sharded(s.denoiser, staged)
+    save_sharded(s.trained[0], staged)  # the DeepSpeed engine
     s.accelerator.wait_for_everyone()
     path = write_checkpoint(s, step, staged) if s.main else None
     s.accelerator.wait_for_everyone()  # no process goes on before the checkpoint is complete

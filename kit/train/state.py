@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,22 @@ class TrainResult:
     interrupted: bool = False
     validation_grids: list[Path] = field(default_factory=list)
 
+    def __str__(self) -> str:
+        """One sentence for a person (a notebook cell's result, a log line)."""
+        how = "stopped" if self.interrupted else "finished"
+        saved = f"; checkpoint {self.checkpoint}" if self.checkpoint else "; no checkpoint"
+        grids = len(self.validation_grids)
+        return (
+            f"training {how} at step {self.step} in {self.run_dir}{saved}; "
+            f"{grids} validation grid{'s' if grids != 1 else ''} drawn"
+        )
+
+    def _repr_html_(self) -> str:
+        return f"<p>{html.escape(str(self))}</p>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))  # IPython's plain-text form too, not the dataclass repr
+
 
 @dataclass
 class TrainState:
@@ -52,7 +69,10 @@ class TrainState:
     """What `method.attach` reported: the trained parts and their sizes."""
     params: list[torch.nn.Parameter]
     denoiser: Any
-    """The denoiser as `accelerator.prepare` returned it (wrapped under DDP or DeepSpeed)."""
+    """The denoiser, as `accelerator.prepare` returned it when it trains (wrapped under DDP or
+    DeepSpeed)."""
+    trained: list[Any]
+    """The modules that hold trained parameters, as `accelerator.prepare` returned them."""
     optimizer: Any
     scheduler: Any
     ema: EMA | None

@@ -31,17 +31,21 @@ def micro_step(s: TrainState, indices: list[int], index: int) -> tuple[float, fl
     variants = s.data.draw_variants(len(indices), generator)
     batch = s.data.load_batch(indices, variants)
     dropped = drop_captions(batch, s.empty_text, s.cfg.objective.caption_dropout, generator)
-    with acc.accumulate(s.denoiser):
-        if s.method.live_text:
-            captions = [
-                "" if d else s.data.variant_texts[i][variants[j] if variants else 0]
-                for j, (i, d) in enumerate(zip(indices, dropped, strict=True))
-            ]
-            batch.update(s.family.encode_text(s.comps, captions))
-        loss = denoising_loss(s.family, s.comps, batch, generator, s.device)
+    with acc.accumulate(*s.trained):
+        # The frozen parts are in the half dtype and the trained ones fp32: autocast picks each
+        # operation's dtype, for the live text encoders and a denoiser accelerate did not wrap.
+        with acc.autocast():
+            if s.method.live_text:
+                captions = [
+                    "" if d else s.data.variant_texts[i][variants[j] if variants else 0]
+                    for j, (i, d) in enumerate(zip(indices, dropped, strict=True))
+                ]
+                batch.update(s.family.encode_text(s.comps, captions))
+            loss = denoising_loss(s.family, s.comps, batch, generator, s.device)
         acc.backward(loss)
         grad_norm = None
         if acc.sync_gradients:
+            s.method.before_clip(s.comps)
             clip = t.max_grad_norm if t.max_grad_norm > 0 else float("inf")
             norm = acc.clip_grad_norm_(s.params, clip)
             # DeepSpeed clips inside its own step and may report no norm here.
@@ -72,6 +76,16 @@ def guard_finite(
     )
     raise KitError(
         f"{what} at step {step} (mixed_precision={precision}{scale_note}); {keep}. "
-        "Usual fixes: a lower learning_rate, max_grad_norm 1.0, bf16 instead of fp16, "
+        f"Usual fixes: a lower learning_rate, max_grad_norm 1.0, {_precision_fix(precision)}"
         "or checking the data for broken images."
     )
+
+
+def _precision_fix(precision: str) -> str:
+    """The precision to try instead of fp16, on this machine ('' when not in fp16)."""
+    if precision != "fp16":
+        return ""
+    # bf16 has fp32's range, but only a GPU that has it can train in it.
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return "bf16 instead of fp16, "
+    return "fp32 (mixed_precision no) instead of fp16, "

@@ -52,33 +52,49 @@ def data_facts(run: RunRecord) -> list[str]:
 
 
 def small_buckets(run: RunRecord) -> Iterator[Finding]:
-    """Buckets smaller than a batch: their few images train alone, with outsized weight."""
+    """Buckets smaller than a batch: their few images train alone, with outsized weight (or,
+    under `small_bucket_policy: repeat`, are shown several times each epoch)."""
     batch = int(run.flat.get("train_batch_size") or 1)
+    accum = int(run.flat.get("gradient_accumulation_steps") or 1)
     counts = Counter(tuple(r["bucket"]) for r in run.manifest if "bucket" in r)
-    if batch < 2 or not counts:
+    repeat = run.flat.get("small_bucket_policy") == "repeat"
+    # Repeating fills one effective batch (processes are not recorded: at least batch × accum).
+    limit = batch * accum if repeat else batch
+    if limit < 2 or not counts:
         return
     micro = sum(math.ceil(n / batch) for n in counts.values())
     steps = run.rows[-1]["step"] if run.rows else int(run.flat.get("max_train_steps") or 0)
-    accum = int(run.flat.get("gradient_accumulation_steps") or 1)
     epochs = steps * accum / micro if micro else 0
-    small = sorted((n, b) for b, n in counts.items() if n < batch)
+    small = sorted((n, b) for b, n in counts.items() if n < limit)
     if not small:
         return
-    evidence = [
-        f"bucket {b[0]}x{b[1]} holds {n} image(s) with train_batch_size {batch}: each epoch it "
-        f"makes a batch of {n}, so its images weigh {batch / n:.1f}× an image in a full batch "
-        f"(about {epochs:.0f} epochs in this run)"
-        for n, b in small[:5]
-    ]
-    worst = batch / small[0][0]
+    if repeat:
+        evidence = [
+            f"bucket {b[0]}x{b[1]} holds {n} image(s), fewer than an effective batch of {limit}: "
+            f"small_bucket_policy repeat shows each {math.ceil(limit / n)}× per epoch, so they "
+            f"weigh {math.ceil(limit / n):.1f}× an image of a full bucket"
+            for n, b in small[:5]
+        ]
+        worst = float(math.ceil(limit / small[0][0]))
+    else:
+        evidence = [
+            f"bucket {b[0]}x{b[1]} holds {n} image(s) with train_batch_size {batch}: each epoch "
+            f"it makes a batch of {n}, so its images weigh {batch / n:.1f}× an image in a full "
+            f"batch (about {epochs:.0f} epochs in this run)"
+            for n, b in small[:5]
+        ]
+        worst = batch / small[0][0]
+    fix = (
+        "crop or remove the odd-shaped images, lower max_aspect_ratio or raise bucket_step so "
+        "they join a larger bucket, or lower train_batch_size and raise "
+        "gradient_accumulation_steps"
+    )
     yield Finding(
         "small_buckets",
         "warning" if worst >= SMALL_BUCKET_WEIGHT else "info",
         f"{len(small)} bucket(s) hold fewer images than a batch",
         evidence,
-        "crop or remove the odd-shaped images, lower max_aspect_ratio or raise bucket_step so "
-        "they join a larger bucket, or lower train_batch_size and raise "
-        "gradient_accumulation_steps",
+        fix + ("; small_bucket_policy keep (the default) stops the repeats" if repeat else ""),
     )
 
 
