@@ -13,16 +13,24 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,lab,deepspeed]"
-	touch $(STAMP)
+# pip -qq: errors only. Its warnings here (setuptools' notes on editable installs, index
+# locations of the machine's pip config) say nothing about the kit; a failed install still
+# prints its whole error.
+PIP := $(BIN)/python -m pip install -qq
 
+$(STAMP): pyproject.toml
+	@echo "installing the kit into $(VENV) (minutes, the first time)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
+	@$(PIP) -e ".[dev,lab,deepspeed]"
+	@touch $(STAMP)
+
+# One line per notebook (name, seconds, executed copy), then the learning report.
 demo: $(STAMP)
-	rm -rf runs/demo
-	$(BIN)/kit notebooks runs/demo
+	@rm -rf runs/demo
+	@echo "running the seven notebooks on datasets_example into runs/demo/ (a few minutes)"
+	@$(BIN)/kit notebooks runs/demo
 	@echo "Executed notebooks, loss plot, validation grids and both LoRA files are in runs/demo/"
 
 # The browser test (tests/test_browser.py) drives the system's Chromium, never a downloaded one.

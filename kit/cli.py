@@ -253,8 +253,7 @@ def cmd_notebooks(args: argparse.Namespace) -> int:
     from kit.ui.notebooks import run_notebooks
 
     params = {name: _literal(value) for name, value in args.param or []}
-    for path in run_notebooks(args.out_dir, params, only=args.only):
-        print(f"executed {path}")
+    run_notebooks(args.out_dir, params, only=args.only)  # one line per notebook as it ends
     report = Path(params.get("output_dir") or Path(args.out_dir) / "run") / "learning_report.json"
     if report.is_file():
         _print_learning(json.loads(report.read_text()), report)

@@ -25,5 +25,17 @@ def quiet_libraries() -> None:
     except ImportError:
         pass
     logging.getLogger("accelerate").setLevel(logging.ERROR)
+    logging.getLogger("DeepSpeed").addFilter(_without_cpu_probe)
     for pattern in (".*torchvision.*", ".*should be kept in float32.*"):
         warnings.filterwarnings("ignore", message=pattern)
+
+
+def _without_cpu_probe(record: logging.LogRecord) -> bool:
+    """Drop DeepSpeed's accelerator probe on a CPU machine, and only that record.
+
+    DeepSpeed logs "Setting accelerator to CPU. If you have GPU or other accelerator, we were
+    unable to detect it." whenever it is first imported without a GPU: accelerate imports it
+    inside `unwrap_model` (before each validation) when it is installed, DeepSpeed or not. On a
+    CPU the kit has already said it trains in fp32; every other DeepSpeed message stays.
+    """
+    return not record.getMessage().startswith("Setting accelerator to CPU")

@@ -2,7 +2,11 @@
 
 Needs Debian's `chromium` (`make test` installs it when run as root) and the `playwright` pip
 package (dev extra); the browser is the system's, never one downloaded by playwright.
-Screenshots go to $KIT_SCREENSHOTS, else to the test's temporary folder.
+Screenshots go to $KIT_SCREENSHOTS, else to the test's temporary folder
+(`/tmp/pytest-of-$USER/pytest-N/test_each_notebook_after_run_a0/screenshots/NN_name.png`, one
+per notebook after Run All; each test prints its folder, shown with `pytest -s` or in a
+failure's report). pytest keeps only its last three such folders, so set KIT_SCREENSHOTS to
+keep them past later runs.
 """
 
 from __future__ import annotations
@@ -173,6 +177,7 @@ def shots(tmp_path) -> Path:
     """Folder of the screenshots: $KIT_SCREENSHOTS, else the test's temporary folder."""
     folder = Path(os.environ.get("KIT_SCREENSHOTS") or tmp_path / "screenshots")
     folder.mkdir(parents=True, exist_ok=True)
+    print(f"screenshots: {folder}")
     return folder
 
 
@@ -204,6 +209,27 @@ def open_and_run_all(page, lab: Lab, relative: str) -> None:
     )
     tracebacks = page.locator(".jp-OutputArea-output", has_text="Traceback").all_inner_texts()
     assert not tracebacks, f"{relative} raised:\n" + "\n".join(t[-1500:] for t in tracebacks)
+
+
+def notebook_screenshot(page, path: Path) -> None:
+    """The whole notebook in one image: the window is made as tall as the notebook's content
+    (JupyterLab scrolls inside its panel, so a full-page shot alone shows the first screen)."""
+    height = page.evaluate(
+        """() => Math.max(...[...document.querySelectorAll('.jp-NotebookPanel .jp-WindowedPanel-outer, .jp-NotebookPanel .jp-Notebook')]
+            .map(e => e.scrollHeight), 1000)"""
+    )
+    size = page.viewport_size
+    page.set_viewport_size({"width": size["width"], "height": min(height + 200, 30_000)})
+    # Run All leaves the notebook scrolled to its last cell: start the picture at the title.
+    page.evaluate(
+        """() => document.querySelectorAll('.jp-NotebookPanel .jp-WindowedPanel-outer, .jp-NotebookPanel .jp-Notebook')
+            .forEach(e => { e.scrollTop = 0; })"""
+    )
+    page.wait_for_timeout(500)
+    try:
+        page.screenshot(path=str(path), full_page=True)
+    finally:
+        page.set_viewport_size(size)
 
 
 def _image_src(locator) -> str | None:
@@ -289,9 +315,29 @@ def _short_run_notebook(lab: Lab, tmp_path: Path) -> str:
     return "notebooks/04_browser.ipynb"
 
 
-@pytest.mark.skipif(
-    not (ROOT / "kit/panel.py").is_file(), reason="notebook 04's training panel is not built yet"
-)
+def test_each_notebook_after_run_all(lab, page, shots, tmp_path):
+    """All seven, in order, on a short run: Run All raises nothing; a screenshot of each, for a
+    person to read as a newcomer would."""
+    from kit.ui.notebooks import NOTEBOOKS
+
+    _short_run_notebook(lab, tmp_path)  # writes the short config, browser.json
+    common = {
+        "config_path": "../datasets_example/browser.json",
+        "output_dir": str(tmp_path / "run"),
+    }
+    extra = {
+        "04_train": {"headless": True, "resume": ""},
+        "05_validate": {"seeds": 2, "prompts_per_group": 1},
+    }
+    for name in NOTEBOOKS:
+        nb = nbformat.read(lab.root / f"notebooks/{name}.ipynb", as_version=4)
+        set_parameters(nb, **common, **extra.get(name, {}))
+        nbformat.write(nb, lab.root / f"notebooks/{name}_shot.ipynb")
+        open_and_run_all(page, lab, f"notebooks/{name}_shot.ipynb")
+        notebook_screenshot(page, shots / f"{name}.png")
+    assert sorted(p.stem for p in shots.glob("*.png")) == sorted(NOTEBOOKS)
+
+
 def test_train_panel_runs_to_the_end(lab, page, shots, tmp_path):
     """Notebook 04: Run All, click Start; the bar reaches its end and the live image changes."""
     open_and_run_all(page, lab, _short_run_notebook(lab, tmp_path))

@@ -61,7 +61,9 @@ def test_the_install_cell_runs_only_on_colab():
     assert "import sys" in lines[:guard]
     body = lines[guard + 1 :]
     assert any("%pip install" in line for line in body)
-    assert any(f"github.com/{REPOSITORY}" in line for line in body)
+    # The repository is read at run time (KIT_REPO), defaulting to the one the kit names.
+    assert any(f'os.environ.get("KIT_REPO", "{REPOSITORY}")' in line for line in body)
+    assert any("github.com/{repo}" in line for line in body)
     assert all(line.startswith("    ") for line in body), "everything after the guard is Colab-only"
     assert "kit" not in "".join(lines[: guard + 1]), "the kit is not installed yet"
 
@@ -96,3 +98,21 @@ def test_the_runner_injects_headless(tmp_path, monkeypatch):
     seen.clear()
     run_notebooks(tmp_path, {"headless": False}, only=["04"])  # an explicit choice wins
     assert seen[0]["headless"] is False
+
+
+def test_kit_repo_names_the_repository_of_badges_and_install_cell(monkeypatch):
+    import importlib
+
+    import kit.ui.notebooks as notebooks
+
+    monkeypatch.setenv("KIT_REPO", "someone/fork")
+    try:
+        fork = importlib.reload(notebooks)
+        assert fork.REPOSITORY == "someone/fork"
+        assert "github/someone/fork/blob/main/notebooks/04_train.ipynb" in fork.badge("04_train")
+        assert '"KIT_REPO", "someone/fork"' in fork.COLAB_INSTALL
+        assert fork.sync_colab_cells(write=False) == list(NOTEBOOKS)  # each would be rewritten
+    finally:
+        monkeypatch.delenv("KIT_REPO")
+        importlib.reload(notebooks)
+    assert notebooks.REPOSITORY == notebooks.DEFAULT_REPOSITORY

@@ -4,12 +4,61 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from kit.ui.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
+
+# What a newcomer should never read in a cell's output: a dataclass or object repr instead of a
+# sentence, table or figure, and library warnings.
+RAW_REPR = re.compile(r"\b[A-Z]\w*\(\w+=|<[\w.]+ object at 0x[0-9a-f]+>|PosixPath\(")
+WARNING = re.compile(r"warn", re.IGNORECASE)
+
+
+def output_noise(nb: nbformat.NotebookNode) -> list[str]:
+    """Each stderr output, raw repr or warning line in the executed notebook's cells."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream" and out.name == "stderr":
+                found.append(f"cell {i}: stderr: {out.text[:300]}")
+                continue
+            if out.output_type == "stream":
+                text = out.text
+            elif out.output_type in ("execute_result", "display_data"):
+                data = out.get("data", {})
+                # The plain text of a table, figure or widget is only a fallback nobody reads.
+                text = "" if set(data) - {"text/plain"} else data.get("text/plain", "")
+            else:
+                continue
+            found += [
+                f"cell {i}: {line[:300]}"
+                for line in text.splitlines()
+                if RAW_REPR.search(line) or WARNING.search(line)
+            ]
+    return found
+
+
+def test_the_noise_check_catches_reprs_warnings_and_stderr():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("x")
+    cell.outputs = [
+        nbformat.v4.new_output(
+            "execute_result", {"text/plain": "TrainResult(run_dir=PosixPath('/r'))"}
+        ),
+        nbformat.v4.new_output(
+            "stream", name="stdout", text="[WARNING] Setting accelerator to CPU\n"
+        ),
+        nbformat.v4.new_output("stream", name="stderr", text="anything\n"),
+        nbformat.v4.new_output("execute_result", {"text/plain": "<kit.x.Y object at 0x7f00>"}),
+        nbformat.v4.new_output("display_data", {"text/html": "<b>t</b>", "text/plain": "<HTML>"}),
+        nbformat.v4.new_output("stream", name="stdout", text="3 of 3 captions have commas\n"),
+    ]
+    nb.cells.append(cell)
+    assert len(output_noise(nb)) == 4
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -50,12 +99,28 @@ def test_all_notebooks_run_headlessly(tmp_path, make_config, capsys):
         nb = nbformat.read(out / "notebooks" / f"{name}.ipynb", as_version=4)
         errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
         assert not errors, name
+        noise = output_noise(nb)
+        assert not noise, f"{name} shows a newcomer noise:\n" + "\n".join(noise)
     run = out / "run"
     # 05's learning report is saved, and the command prints it at the end.
     report = json.loads((run / "learning_report.json").read_text())
     assert set(report["groups"]) == {"memorization", "generalization", "unrelated"}
-    printed = capsys.readouterr().out
+    console = capsys.readouterr()
+    printed = console.out
     assert "What the fine-tune learned" in printed and "concept on trigger prompts" in printed
+    # One line per notebook, as it ends: its name, its time and where its executed copy is.
+    for name in NOTEBOOKS:
+        line = next(x for x in printed.splitlines() if x.startswith(name))
+        assert re.search(r"\d+\.\d s", line) and str(out / "notebooks" / f"{name}.ipynb") in line
+    assert "without encryption" not in console.err, "the kernel's transport warning is back"
+    # 04 draws one training step before training, and its result reads as a sentence.
+    nb04 = nbformat.read(out / "notebooks/04_train.ipynb", as_version=4)
+    step = next(c for c in nb04.cells if "one_step(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in step.outputs)
+    # 03 estimates real architectures beside the toy one, offline.
+    nb03 = nbformat.read(out / "notebooks/03_vram.ipynb", as_version=4)
+    real = next(c for c in nb03.cells if "estimates_on(" in c.source)
+    assert any("image/png" in o.get("data", {}) for o in real.outputs)
     assert (run / "loss.png").is_file()
     assert (run / "validation/step-000006/grid.png").is_file()
     assert (run / "validation/step-000006-scales/grid.png").is_file()

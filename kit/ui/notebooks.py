@@ -9,6 +9,10 @@ defined once here and written into every notebook by `sync_colab_cells`
 from __future__ import annotations
 
 import json
+import os
+import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +29,43 @@ NOTEBOOKS = (
 )
 
 
-REPOSITORY = "kit-project/diffusion-tuning-kit"
-"""The GitHub repository that the Colab badges open and the install cell clones."""
-CLONE_DIR = "/content/" + REPOSITORY.rsplit("/", 1)[1]
-"""Where the install cell clones the repository on a Colab machine."""
+DEFAULT_REPOSITORY = "kit-project/diffusion-tuning-kit"
+"""The kit's GitHub repository (owner/name), unless `KIT_REPO` names another (a fork)."""
+REPO_ENV = "KIT_REPO"
+REPOSITORY = os.environ.get(REPO_ENV) or DEFAULT_REPOSITORY
+"""The repository that the Colab badges open and the install cell clones by default: the one
+place that names it. `KIT_REPO=owner/name python scripts/sync_notebooks.py` points a fork's
+notebooks at the fork; on Colab, `KIT_REPO` set before the install cell runs wins again."""
+CLONE_DIR = "/content/diffusion-tuning-kit"
+"""Where the install cell clones the repository on a Colab machine (whatever its name)."""
 COLAB_TAG = "colab"
 """Tag of the cells that follow each notebook's title: a note, then the install cell."""
 COLAB_NOTE = """On Google Colab the next cell fetches the kit with its example dataset and installs
 it (Colab already has PyTorch). Anywhere else it does nothing."""
-COLAB_INSTALL = f"""import sys
+COLAB_INSTALL = f"""import os
+import sys
 
 if "google.colab" in sys.modules:  # Colab only
-    !git clone --quiet --depth 1 https://github.com/{REPOSITORY} {CLONE_DIR}
+    repo = os.environ.get("{REPO_ENV}", "{REPOSITORY}")  # owner/name on GitHub
+    !git clone --quiet --depth 1 https://github.com/{{repo}} {CLONE_DIR}
     %pip install --quiet {CLONE_DIR}
     %cd {CLONE_DIR}/notebooks"""
-"""The install cell: plain text, since it runs before the kit exists on the machine."""
+"""The install cell: plain text, since it runs before the kit exists on the machine (so it
+reads `KIT_REPO` itself; IPython puts `{{repo}}` into the shell line)."""
+BADGE = re.compile(
+    r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"
+    r"\(https://colab\.research\.google\.com/github/[\w.-]+/[\w.-]+/blob/main/notebooks/"
+    r"\w+\.ipynb\)"
+)
+"""The "Open in Colab" badge in each notebook's title cell."""
+
+
+def badge(name: str) -> str:
+    """The Colab badge of notebook `name`, opening it from `REPOSITORY`."""
+    return (
+        "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        f"(https://colab.research.google.com/github/{REPOSITORY}/blob/main/notebooks/{name}.ipynb)"
+    )
 
 
 def notebook_dir() -> Path:
@@ -51,9 +77,16 @@ def notebook_dir() -> Path:
 
 
 def run_notebooks(
-    out_dir: str | Path, params: dict[str, Any] | None = None, only: list[str] | None = None
+    out_dir: str | Path,
+    params: dict[str, Any] | None = None,
+    only: list[str] | None = None,
+    report: Callable[[str], None] | None = print,
 ) -> list[Path]:
-    """Execute the notebooks into `out_dir/notebooks`; the run itself goes to `out_dir/run`."""
+    """Execute the notebooks into `out_dir/notebooks`; the run itself goes to `out_dir/run`.
+
+    `report` gets one line per notebook as it finishes (name, seconds, executed copy); None
+    says nothing.
+    """
     import papermill as pm
 
     out = Path(out_dir).resolve()
@@ -76,6 +109,7 @@ def run_notebooks(
     for name in names:
         target = out / "notebooks" / f"{name}.ipynb"
         target.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
         try:
             pm.execute_notebook(
                 str(src / f"{name}.ipynb"),
@@ -85,6 +119,7 @@ def run_notebooks(
                 kernel_name="python3",
                 progress_bar=False,
                 report_mode=False,
+                config=_kernel_config(),
             )
         except pm.PapermillExecutionError as e:
             raise KitError(
@@ -92,7 +127,23 @@ def run_notebooks(
                 f"(executed copy: {target})"
             ) from None
         done.append(target)
+        if report is not None:
+            report(f"{name:<16} {time.monotonic() - started:6.1f} s   {target}")
     return done
+
+
+def _kernel_config() -> Any:
+    """Kernel manager settings for headless runs: encrypted kernel traffic where possible.
+
+    ipykernel warns at every start that its TCP sockets are unencrypted; the kernel manager can
+    hand it CurveZMQ keys instead (when pyzmq has CurveZMQ and the kernel declares support),
+    which removes the cause rather than hiding the warning.
+    """
+    import zmq
+    from traitlets.config import Config
+
+    policy = "auto" if zmq.has("curve") else "disabled"
+    return Config({"KernelManager": {"transport_encryption": policy}})
 
 
 def colab_cells() -> list[dict[str, Any]]:
@@ -116,7 +167,8 @@ def colab_cells() -> list[dict[str, Any]]:
 
 
 def sync_colab_cells(write: bool = True) -> list[str]:
-    """Make the cells tagged `COLAB_TAG` in every notebook `colab_cells()`, right after the title.
+    """Make the cells tagged `COLAB_TAG` in every notebook `colab_cells()`, right after the title,
+    and the title's Colab badge open the notebook from `REPOSITORY`.
 
     Returns the notebooks that differed; with `write=False` nothing is changed (a check).
     """
@@ -126,6 +178,10 @@ def sync_colab_cells(write: bool = True) -> list[str]:
         text = path.read_text(encoding="utf-8")
         nb = json.loads(text)
         rest = [c for c in nb["cells"] if COLAB_TAG not in c["metadata"].get("tags", [])]
+        title = "".join(rest[0]["source"])
+        if BADGE.search(title):  # the badge opens this notebook from REPOSITORY
+            title = BADGE.sub(badge(name), title)  # a URL: no backslashes to escape
+            rest[0]["source"] = title.splitlines(keepends=True)
         nb["cells"] = rest[:1] + colab_cells() + rest[1:]
         new = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
         if new != text:

@@ -15,7 +15,7 @@ from kit.data import video
 from kit.data.captions import has_word, save_caption
 from kit.data.scan import caption_path
 from kit.logs import quiet_libraries
-from kit.preflight.estimate import GIB, GPUS
+from kit.preflight.estimate import GIB, GPUS, estimate
 from kit.report.plots import metrics_figure
 from kit.run.folder import RunDir
 
@@ -118,6 +118,54 @@ def vram_figure(est: Any, budget_gib: float | None = None, cards: bool = True):
     ax.set_xlabel("GiB")
     ax.set_xlim(0, max(top, left * 1.05))
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    plt.close(fig)  # shown once, as the cell's result
+    return fig
+
+
+def estimates_on(cfg: Config, models: Iterable[tuple[str, str, int]]) -> dict[str, Any]:
+    """The config's estimate on other architectures: (family, model, resolution) each.
+
+    A shipped hub id (kit.families.shipped) needs no download: only its architecture is built.
+    """
+    out = {}
+    for family, model, resolution in models:
+        other = cfg.replace(model_family=family, pretrained_model=model, resolution=resolution)
+        out[f"{model.rsplit('/', 1)[-1]} at {resolution} px"] = estimate(other)
+    return out
+
+
+def vram_comparison(estimates: dict[str, Any], budget_gib: float | None = None):
+    """Estimates side by side: one stacked bar per estimate, a colour per component."""
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(n for e in estimates.values() for n in e.components))
+    colors = dict(zip(names, plt.get_cmap("tab20").colors, strict=False))
+    fig, ax = plt.subplots(figsize=(9, 0.9 * len(estimates) + 1.6))
+    labels = list(estimates)
+    for row, label in enumerate(labels):
+        left = 0.0
+        for name, value in estimates[label].components.items():
+            gib = value / GIB
+            if gib > 0:
+                ax.barh([row], [gib], left=left, color=colors[name], label=name)
+                left += gib
+        ax.text(left, row, f"  {left:.2f} GiB", va="center", fontsize=8)
+    if budget_gib:
+        ax.axvline(budget_gib, color="red", linestyle="--")
+        ax.text(budget_gib, len(labels) - 0.5, f" budget {budget_gib} GiB", color="red", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("estimated peak GiB")
+    handles = dict(zip(*reversed(ax.get_legend_handles_labels()), strict=True))
+    ax.legend(
+        handles.values(),
+        handles.keys(),
+        fontsize=7,
+        ncol=4,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35),
+    )
     fig.tight_layout()
     plt.close(fig)  # shown once, as the cell's result
     return fig
