@@ -161,3 +161,42 @@ def nan_at_call(monkeypatch):
         monkeypatch.setattr(SD15, "predict", poisoned)
 
     return poison
+
+
+@pytest.fixture()
+def two_processes_and_one(tmp_path, make_config):
+    """`two_processes_and_one(**fields)`: train the same short run on two gloo processes and on
+    one process with twice the accumulation (the same batches per step); return both run folders."""
+    import os
+    import subprocess
+    import sys
+
+    def run(**fields) -> tuple[Path, Path]:
+        ddp, one = tmp_path / "ddp", tmp_path / "one"
+        ddp_cfg = make_config(
+            "ddp.json", output_dir=str(ddp), gradient_accumulation_steps=1, **fields
+        )
+        one_cfg = make_config(
+            "one.json", output_dir=str(one), gradient_accumulation_steps=2, **fields
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+        for cmd in ([*launch, "-m", "kit", "train", str(ddp_cfg)],
+                    [sys.executable, "-m", "kit", "train", str(one_cfg)]):  # fmt: skip
+            out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+            assert out.returncode == 0, out.stderr[-3000:]
+        return ddp, one
+
+    return run
+
+
+@pytest.fixture()
+def cpu_fp16(monkeypatch):
+    """Allow fp16 on this CPU-only machine (`KIT_ALLOW_CPU_FP16`)."""
+    import torch
+
+    from kit.train.accel import CPU_FP16_ENV
+
+    if torch.cuda.is_available():
+        pytest.skip("these tests run the CPU fp16 path")
+    monkeypatch.setenv(CPU_FP16_ENV, "1")

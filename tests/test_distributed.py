@@ -4,9 +4,6 @@ same result as one process with the same effective batch."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,37 +13,10 @@ from kit.run import checkpoint as ckpt
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_with_accumulation(tmp_path, make_config):
-    common = {
-        "max_train_steps": 3,
-        "checkpointing_steps": 0,
-        "lora_dropout": 0.1,
-        "caption_dropout": 0.2,
-    }
-    ddp = make_config(
-        "ddp.json", output_dir=str(tmp_path / "ddp"), gradient_accumulation_steps=1, **common
+def test_two_processes_match_one_with_accumulation(tmp_path, two_processes_and_one):
+    two_processes_and_one(
+        max_train_steps=3, checkpointing_steps=0, lora_dropout=0.1, caption_dropout=0.2
     )
-    one = make_config(
-        "one.json", output_dir=str(tmp_path / "one"), gradient_accumulation_steps=2, **common
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "kit",
-        "train",
-        str(ddp),
-    ]
-    out = subprocess.run(launch, capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = subprocess.run(
-        [sys.executable, "-m", "kit", "train", str(one)], capture_output=True, text=True, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
 
     records = {
         rank: [

@@ -17,14 +17,6 @@ from kit.train.accel import CPU_FP16_ENV, make_accelerator, resolve_precision
 from kit.train.loop import train
 
 
-@pytest.fixture()
-def cpu_fp16(monkeypatch):
-    """Allow fp16 on this CPU-only machine."""
-    if torch.cuda.is_available():
-        pytest.skip("these tests run the CPU fp16 path")
-    monkeypatch.setenv(CPU_FP16_ENV, "1")
-
-
 def _rows(run_dir):
     return [json.loads(x) for x in (run_dir / "logs/metrics.jsonl").read_text().splitlines()]
 

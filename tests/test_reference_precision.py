@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,18 +17,10 @@ from kit.config import load_config
 from kit.errors import DataError, KitError
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
-from kit.train.accel import CPU_FP16_ENV, make_accelerator
+from kit.train.accel import make_accelerator
 from kit.train.loop import train
 from kit.train.step import guard_finite
 from tests.conftest import TEXTUAL_INVERSION, write_run_config
-
-
-@pytest.fixture()
-def cpu_fp16(monkeypatch):
-    """Allow fp16 on this CPU-only machine."""
-    if torch.cuda.is_available():
-        pytest.skip("these tests run the CPU fp16 path")
-    monkeypatch.setenv(CPU_FP16_ENV, "1")
 
 
 def _rows(run_dir):
@@ -206,32 +195,16 @@ def test_module_dropout_tells_ddp_to_find_unused_parameters(tmp_path, make_confi
 
 @pytest.mark.slow
 def test_textual_inversion_on_two_processes_matches_one_with_accumulation(
-    tmp_path, make_config, dataset
+    tmp_path, dataset, two_processes_and_one
 ):
     _placeholder_captions(dataset)
-    common = {
+    two_processes_and_one(
         **TEXTUAL_INVERSION,
-        "validation_prompt": ["a red <zorb>"],
-        "max_train_steps": 2,
-        "checkpointing_steps": 0,
-        "validation_steps": 0,
-    }
-    ddp = make_config(
-        "ddp.json", output_dir=str(tmp_path / "ddp"), gradient_accumulation_steps=1, **common
+        validation_prompt=["a red <zorb>"],
+        max_train_steps=2,
+        checkpointing_steps=0,
+        validation_steps=0,
     )
-    one = make_config(
-        "one.json", output_dir=str(tmp_path / "one"), gradient_accumulation_steps=2, **common
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    out = subprocess.run(
-        [*launch, "-m", "kit", "train", str(ddp)], capture_output=True, text=True, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = subprocess.run(
-        [sys.executable, "-m", "kit", "train", str(one)], capture_output=True, text=True, env=env
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
 
     finals = [
         json.loads((tmp_path / f"ddp/logs/process-{rank}.jsonl").read_text().splitlines()[-1])
@@ -246,31 +219,17 @@ def test_textual_inversion_on_two_processes_matches_one_with_accumulation(
 
 
 @pytest.mark.slow
-def test_loha_module_dropout_on_two_processes_matches_one_with_accumulation(tmp_path, make_config):
-    common = {
-        "network_type": "loha",
-        "module_dropout": 0.5,
-        "max_train_steps": 3,
-        "checkpointing_steps": 0,
-        "validation_steps": 0,
-    }
-    ddp = make_config(
-        "ddp.json", output_dir=str(tmp_path / "ddp"), gradient_accumulation_steps=1, **common
-    )
-    one = make_config(
-        "one.json", output_dir=str(tmp_path / "one"), gradient_accumulation_steps=2, **common
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    out = subprocess.run(
-        [*launch, "-m", "kit", "train", str(ddp)], capture_output=True, text=True, env=env
-    )
+def test_loha_module_dropout_on_two_processes_matches_one_with_accumulation(
+    tmp_path, two_processes_and_one
+):
     # Without find_unused_parameters DDP stops at step 2, on the modules step 1 dropped.
-    assert out.returncode == 0, out.stderr[-3000:]
-    out = subprocess.run(
-        [sys.executable, "-m", "kit", "train", str(one)], capture_output=True, text=True, env=env
+    two_processes_and_one(
+        network_type="loha",
+        module_dropout=0.5,
+        max_train_steps=3,
+        checkpointing_steps=0,
+        validation_steps=0,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
     a = load_file(str(ckpt.checkpoint_dir(tmp_path / "ddp", 3) / ckpt.ADAPTER_FILE))
     b = load_file(str(ckpt.checkpoint_dir(tmp_path / "one", 3) / ckpt.ADAPTER_FILE))
     for k in a:
