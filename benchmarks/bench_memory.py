@@ -149,7 +149,7 @@ def main() -> None:
     for name in args.family or ("sd15", "sdxl"):
         if args.real:
             families[name] = {
-                "sd15": "runwayml/stable-diffusion-v1-5",
+                "sd15": "stable-diffusion-v1-5/stable-diffusion-v1-5",
                 "sdxl": "stabilityai/stable-diffusion-xl-base-1.0",
             }[name]
         else:

@@ -298,8 +298,11 @@ def test_relative_paths_resolve_against_the_config_folder(tmp_path, monkeypatch)
 
 
 def test_hub_id_stays_as_is(tmp_path):
-    path = write(tmp_path / "config.json", {"pretrained_model": "runwayml/stable-diffusion-v1-5"})
-    assert load_config(path).model.pretrained_model == "runwayml/stable-diffusion-v1-5"
+    path = write(
+        tmp_path / "config.json",
+        {"pretrained_model": "stable-diffusion-v1-5/stable-diffusion-v1-5"},
+    )
+    assert load_config(path).model.pretrained_model == "stable-diffusion-v1-5/stable-diffusion-v1-5"
 
 
 def test_parse_override():

@@ -15,7 +15,7 @@ from tests.conftest import write_config
 def cfg(tmp_path) -> Config:
     path = write_config(
         tmp_path / "base.json",
-        pretrained_model="runwayml/stable-diffusion-v1-5",
+        pretrained_model="stable-diffusion-v1-5/stable-diffusion-v1-5",
         image_dir="images",
         output_dir="runs/a",
         lora_rank=8,

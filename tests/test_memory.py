@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from kit.preflight.trace import Shape
 
 # Shipped model → (family, denoiser parameters in billions, low, high): the published sizes.
 SHIPPED_MODELS = {
-    "runwayml/stable-diffusion-v1-5": ("sd15", 0.85, 0.87),
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": ("sd15", 0.85, 0.87),
     "stabilityai/stable-diffusion-xl-base-1.0": ("sdxl", 2.56, 2.58),
     "stabilityai/stable-diffusion-3.5-medium": ("sd3", 2.2, 2.6),
     "black-forest-labs/FLUX.1-dev": ("flux", 11.8, 12.0),
@@ -63,7 +64,7 @@ def test_shipped_config_estimate_adds_up_and_prints_json(tmp_path, capsys):
     path = tmp_path / "sd15.json"
     path.write_text(
         json.dumps(
-            {"model_family": "sd15", "pretrained_model": "runwayml/stable-diffusion-v1-5",
+            {"model_family": "sd15", "pretrained_model": "stable-diffusion-v1-5/stable-diffusion-v1-5",
              "resolution": 512, "mixed_precision": "bf16"}
         )
     )  # fmt: skip
@@ -213,3 +214,23 @@ def test_traced_step_matches_a_real_cpu_step_tensor_for_tensor(tiny_sd15, ckpt):
     with contextlib.ExitStack() as stack:
         real_step(cfg, "cpu", steps=2, on_ready=lambda: stack.enter_context(counter))
     assert abs(traced / counter.peak - 1) < 0.01, (traced, counter.peak)
+
+
+REMOVED_HUB_IDS = ("runwayml/stable-diffusion-v1-5",)
+"""Repositories that were taken down: the kit may read old configs naming them, never suggest them."""
+
+
+def test_every_hub_id_the_kit_names_is_shipped_and_none_is_removed():
+    from kit.config import Config
+    from kit.families import family_names, get_family
+
+    named = {get_family(f).hub_id for f in family_names()} | {Config().model.pretrained_model}
+    assert named <= set(SHIPPED), named - set(SHIPPED)
+    root = Path(__file__).resolve().parent.parent
+    texts = [*root.glob("kit/**/*.py"), *root.glob("notebooks/*.ipynb"), root / "README.md"]
+    texts += [*root.glob("datasets_example/*.json"), *root.glob("benchmarks/*.py")]
+    for path in texts:
+        if path.name == "shipped.py":
+            continue  # the alias that maps an old config to its architecture
+        for old in REMOVED_HUB_IDS:
+            assert old not in path.read_text(), f"{path} names the removed {old}"

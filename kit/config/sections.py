@@ -18,7 +18,7 @@ PATH = {"path": True}  # metadata: resolved relative to the config file's folder
 class ModelConfig:
     model_family: str = "sd15"
     """Registered model family (see `kit families`), e.g. `sd15`."""
-    pretrained_model: str = "runwayml/stable-diffusion-v1-5"
+    pretrained_model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"
     """Base model: a local diffusers folder or a hub id."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of the base model; ignored for local folders."""

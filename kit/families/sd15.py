@@ -13,7 +13,7 @@ from kit.families.identity import saved_scheduler
 class SD15(Family):
     name = "sd15"
     native_resolution = 512
-    hub_id = "runwayml/stable-diffusion-v1-5"
+    hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
     bucket_step = 64
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     kohya_prefix = "lora_unet"

@@ -12,8 +12,9 @@ MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 """One diffusers-layout folder of configs (no weights) per shipped architecture."""
 
 SHIPPED = {
-    "runwayml/stable-diffusion-v1-5": "sd15",
     "stable-diffusion-v1-5/stable-diffusion-v1-5": "sd15",
+    # Removed from the hub in 2024; older configs still name it, and its architecture is this.
+    "runwayml/stable-diffusion-v1-5": "sd15",
     "stabilityai/stable-diffusion-xl-base-1.0": "sdxl",
     "stabilityai/stable-diffusion-3.5-medium": "sd35m",
     "black-forest-labs/FLUX.1-dev": "flux-dev",
