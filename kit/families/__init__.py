@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
-from kit.errors import ConfigError
+from kit.errors import ConfigError, did_you_mean
 from kit.families.base import Components, Family
 from kit.families.noise import NoiseDraw
 
@@ -28,9 +27,8 @@ def register(cls: type[Family]) -> type[Family]:
 def get_family(name: str, cfg: Config | None = None) -> Family:
     """The family registered as `name`, set up with the run's config (defaults when None)."""
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
         known = ", ".join(sorted(_REGISTRY))
+        hint = did_you_mean(name, list(_REGISTRY))
         raise ConfigError(f"model_family: unknown family '{name}' (known: {known}){hint}")
     return _REGISTRY[name](cfg)
 

@@ -6,12 +6,11 @@ happens here and nowhere else; so does refusing a method on a family it cannot f
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import pkgutil
 
 from kit.config import Config
-from kit.errors import ConfigError
+from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
 from kit.methods.base import Method, NetworkSummary
 
@@ -46,8 +45,7 @@ def get_method(cfg: Config, family: Family) -> Method:
     """The configured method on `family`; a ConfigError when the pair cannot be finished."""
     name = method_name(cfg)
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
+        hint = did_you_mean(name, list(_REGISTRY))
         raise ConfigError(
             f"network_type: unknown method '{name}' (known: {', '.join(method_names())}){hint}"
         )
