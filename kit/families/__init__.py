@@ -39,7 +39,20 @@ def family_names() -> list[str]:
 
 
 # Modules of this package that are shared machinery, not a family.
-_SHARED = {"base", "identity", "loading", "noise", "shipped", "tiny"}
+_SHARED = {
+    "base",
+    "flux_layout",
+    "identity",
+    "kohya",
+    "ldm",
+    "loading",
+    "noise",
+    "sd3_layout",
+    "shipped",
+    "tiny",
+    "wan_layout",
+}
+"""Modules of this package that are not families: shared code and the original layouts."""
 
 
 def _import_all() -> None:

@@ -1,0 +1,135 @@
+"""Adapter weights in the kohya / LyCORIS file layout that A1111, Forge, ComfyUI and kohya's
+own tools read: `<prefix>_<module path, dots as underscores>.<part>`.
+
+The module path is the one the client's model uses (a family renames diffusers names into its
+original layout where the clients use that); the parts are kohya's for LoRA (`lora_down`,
+`lora_up`, `alpha`, `dora_scale`) and LyCORIS' for LoHa (`hada_w1_a` …) and LoKr (`lokr_w1` …).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from kit.errors import KitError
+
+LYCORIS_PARTS = {
+    "hada_w1_a",
+    "hada_w1_b",
+    "hada_w2_a",
+    "hada_w2_b",
+    "lokr_w1",
+    "lokr_w1_a",
+    "lokr_w1_b",
+    "lokr_w2",
+    "lokr_w2_a",
+    "lokr_w2_b",
+}
+MAGNITUDE = "lora_magnitude_vector"
+"""peft's name of DoRA's per-output-row magnitude."""
+
+
+def clip_key(key: str) -> str:
+    """A CLIP text-encoder key in the layout every client names it by (`text_model.encoder…`):
+    newer transformers drop the `text_model.` level of `CLIPTextModel`, which readers of shared
+    files expect."""
+    if key.startswith(("text_model.", "text_projection")):
+        return key
+    return f"text_model.{key}"
+
+
+def clip_state(module: torch.nn.Module, prefix: str) -> dict[str, torch.Tensor]:
+    """A CLIP text encoder's weights under `prefix`, in the clients' naming (`clip_key`)."""
+    return {prefix + clip_key(k): v for k, v in module.state_dict().items()}
+
+
+def prefixed(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every key under `prefix`."""
+    return {prefix + k: v for k, v in state.items()}
+
+
+def _same(module: str) -> str:
+    return module
+
+
+def stem(prefix: str, module: str) -> str:
+    """A module's key stem: the prefix, then its path with dots as underscores; a prefix that
+    ends in a dot (`diffusion_model.`) keeps the dotted path."""
+    if prefix.endswith("."):
+        return prefix + module
+    return f"{prefix}_{module.replace('.', '_')}"
+
+
+def magnitude_shape(magnitude: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """DoRA's magnitude shaped like its layer's weight with every axis but the output one
+    reduced to 1: (out, 1) for a linear layer, (out, 1, 1, 1) for a convolution."""
+    return magnitude.reshape(-1, *([1] * (down.ndim - 1)))
+
+
+def lora_keys(
+    state: dict[str, torch.Tensor],
+    prefix: str,
+    alpha: float,
+    rename: Callable[[str], str] = _same,
+) -> dict[str, torch.Tensor]:
+    """peft LoRA / DoRA weights of one part → kohya keys, modules renamed by `rename`."""
+    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in state.items():
+        module, _, part = key.partition(".lora_")
+        modules[module]["lora_" + part] = value
+    out: dict[str, torch.Tensor] = {}
+    for module, parts in modules.items():
+        name = stem(prefix, rename(module))
+        unknown = set(parts) - {"lora_A.weight", "lora_B.weight", MAGNITUDE}
+        if unknown:
+            raise KitError(
+                f"'{module}': {sorted(unknown)} is not a LoRA weight the kohya layout can hold"
+            )
+        for part, kohya_part in (("lora_A.weight", "lora_down"), ("lora_B.weight", "lora_up")):
+            if part in parts:
+                out[f"{name}.{kohya_part}.weight"] = parts[part].contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
+        if MAGNITUDE in parts:
+            down = parts["lora_A.weight"]
+            out[f"{name}.dora_scale"] = magnitude_shape(parts[MAGNITUDE], down).contiguous()
+    return out
+
+
+def lycoris_keys(
+    state: dict[str, torch.Tensor],
+    alpha: float,
+    rank: int,
+    prefix: str,
+    rename: Callable[[str], str] = _same,
+) -> dict[str, torch.Tensor]:
+    """peft LoHa / LoKr weights (peft naming) → LyCORIS keys with the same update.
+
+    peft scales each update by alpha / rank. Readers disagree on how often they apply a file's
+    alpha (LyCORIS applies it twice to LoHa and low-rank LoKr, ComfyUI and A1111 once), so the
+    scale is folded into the first factor and the file's alpha is the inner dimension
+    (alpha / dim = 1, however often it is applied). A LoKr module with no low-rank factor is
+    never scaled by its readers, but LyCORIS refuses a module without an alpha: it gets the
+    trained rank.
+    """
+    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in state.items():
+        module, part = key.rsplit(".", 1)
+        if part not in LYCORIS_PARTS:
+            raise KitError(f"'{key}': not a LoHa or LoKr weight the LyCORIS layout can hold")
+        modules[module][part] = value
+    out: dict[str, torch.Tensor] = {}
+    for module, parts in modules.items():
+        name = stem(prefix, rename(module))
+        parts = dict(parts)
+        first = next(p for p in ("hada_w1_a", "lokr_w1", "lokr_w1_a") if p in parts)
+        parts[first] = parts[first] * (alpha / rank)
+        dim = next(
+            (parts[p].shape[0] for p in ("hada_w1_b", "lokr_w1_b", "lokr_w2_b") if p in parts),
+            None,
+        )
+        for part, value in parts.items():
+            out[f"{name}.{part}"] = value.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(dim if dim is not None else rank))
+    return out
