@@ -11,8 +11,9 @@ from kit.config import TrainConfig
 from kit.errors import ConfigError
 
 
-def make_optimizer(params: list[torch.nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
-    """The configured optimizer over `params`."""
+def make_optimizer(params: list[Any], t: TrainConfig) -> torch.optim.Optimizer:
+    """The configured optimizer over `params`: parameters, or groups (dicts with `params` and
+    optionally their own `lr`)."""
     betas = (t.adam_beta1, t.adam_beta2)
     # AdamW and its 8-bit twin take the same settings.
     adam = {

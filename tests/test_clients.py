@@ -573,6 +573,7 @@ def _lycoris_files() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("name", ["lora", "dora", "loha", "lokr", "full"])
 def test_lycoris_reader_matches_the_lycoris_package(name):
     import lycoris.kohya as kohya  # a declared test dependency: never skipped
+
     torch.manual_seed(0)
     base = _Unet()
     model = {f"unet.{k}": v.detach().clone() for k, v in base.state_dict().items()}

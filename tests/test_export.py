@@ -128,15 +128,35 @@ def test_kohya_keys_alpha_and_metadata(trained_run):
     assert meta["ss_base_model_version"] == "sd_v1"
     assert json.loads(meta["kit.trigger_words"]) == ["zorbstar"]
     assert meta["modelspec.trigger_phrase"] == "zorbstar"
-    assert meta["ss_steps"] == "6" and meta["kit.base_model"]
+    assert meta["ss_steps"] == "6"
+    # The base is named, never located: a shared file shows no local folder.
+    base = load_config(trained_run.config).model.pretrained_model
+    assert meta["kit.base_model"] == meta["ss_sd_model_name"] == base.rsplit("/", 1)[-1]
+    assert not any(base in v for v in meta.values())
+    assert meta["modelspec.architecture"] == "stable-diffusion-v1/lora"
+    assert meta["modelspec.prediction_type"] == "epsilon" and meta["ss_v2"] == "False"
+    assert meta["modelspec.resolution"] == "64x64" and meta["modelspec.date"]
+    assert int(meta["ss_num_train_images"]) > 0
+    (tags,) = json.loads(meta["ss_tag_frequency"]).values()
+    assert tags and all(isinstance(n, int) and n > 0 for n in tags.values())
 
 
-def test_diffusers_file_keeps_alpha(trained_run):
+def test_diffusers_file_carries_its_scale_in_the_weights(trained_run):
+    """alpha / rank (2 / 4) is folded into lora_B and the file says alpha = rank, so a reader
+    that ignores the metadata (ComfyUI, Forge: scale 1) applies the same update as diffusers."""
+    from kit.run import checkpoint as ckpt
+
     path = export(trained_run.root, "diffusers", verify=False).path
     with safe_open(str(path), "pt") as f:
         meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     adapter = json.loads(meta["lora_adapter_metadata"])
-    assert adapter["unet.r"] == 4 and adapter["unet.lora_alpha"] == 2
+    assert adapter["unet.r"] == 4 and adapter["unet.lora_alpha"] == 4
+    trained = ckpt.exported_weights(ckpt.resolve_resume(trained_run.root, "latest"))
+    for key, value in trained.items():
+        written = tensors[f"unet.{key}"]
+        expected = value * 0.5 if ".lora_B." in key else value
+        assert torch.allclose(written, expected), key
 
 
 def test_a_wrong_file_fails_verification(trained_run, tmp_path):

@@ -92,7 +92,7 @@ def test_lora_round_trips_every_default_target(tiny_flux, tmp_path):
     state = adapter_state_dict(comps.denoiser)
     state = {k: torch.randn_like(v) for k, v in state.items()}
     adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
-    family.save_diffusers_lora(state, adapter_cfg, tmp_path)
+    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path)
 
     pipe = FluxPipeline.from_pretrained(str(tiny_flux))
     pipe.load_lora_weights(str(tmp_path))

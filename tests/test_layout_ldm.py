@@ -329,9 +329,3 @@ def test_what_the_layout_cannot_hold_is_refused():
         ldm.unet_to_ldm({"down_blocks.0.resnets.0.lora_A.weight": torch.zeros(1)}, SD2_UNET)
     with pytest.raises(KitError, match="vae weight 'encoder.nope.weight'"):
         ldm.vae_to_ldm({"encoder.nope.weight": torch.zeros(1)}, {"up_block_types": [1, 2]})
-
-
-def test_families_without_a_layout_refuse_naming_themselves():
-    family = get_family("flux")
-    with pytest.raises(KitError, match="flux has no single-file checkpoint layout.*diffusers"):
-        family.single_file_state_dict(None)

@@ -187,7 +187,18 @@ class NetworkConfig:
     ignore_if_contains: list[str] = field(default_factory=list)
     """Never adapt modules whose full name contains one of these (wins over `only_if_contains`)."""
     train_text_encoder: bool = False
-    """`full`: train the (first) text encoder too."""
+    """Train the text encoder(s) too: `full` trains the first one whole; `lora` and `dora` put
+    an adapter on the encoders named by `text_encoders`."""
+    text_encoders: list[int] = field(default_factory=list)
+    """`lora` / `dora` with `train_text_encoder`: which text encoders get an adapter (0-based,
+    in the family's order, e.g. `[0, 1]` for SDXL's two CLIPs); empty takes every encoder the
+    family's clients load a LoRA for."""
+    text_encoder_target_modules: list[str] = field(default_factory=list)
+    """Text-encoder modules to adapt; empty takes the attention projections
+    (`q_proj`, `k_proj`, `v_proj`, `out_proj`), as diffusers' DreamBooth LoRA script does."""
+    text_encoder_lr: float | None = None
+    """Learning rate of the text-encoder adapters; empty takes `learning_rate`. Text encoders
+    usually want a lower one (e.g. half)."""
     placeholder_tokens: list[str] = field(default_factory=list)
     """`textual_inversion`: the new token(s) to learn, e.g. `<zorb>`."""
     initializer_token: str = ""
@@ -200,6 +211,10 @@ class NetworkConfig:
             raise ConfigError(f"lora_dropout: {self.lora_dropout} must be in [0, 1)")
         if not 0.0 <= self.module_dropout < 1.0:
             raise ConfigError(f"module_dropout: {self.module_dropout} must be in [0, 1)")
+        if self.text_encoder_lr is not None and self.text_encoder_lr <= 0:
+            raise ConfigError(f"text_encoder_lr: {self.text_encoder_lr} must be positive")
+        if any(i < 0 for i in self.text_encoders):
+            raise ConfigError(f"text_encoders: {self.text_encoders} must be encoder indices ≥ 0")
 
 
 @dataclass

@@ -14,9 +14,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from kit.config import Config, load_config
 from kit.errors import KitError
+from kit.export.conformance import ClientCheck, as_records, check_file
+from kit.export.metadata import shared_metadata
 from kit.families import Family, get_family
 from kit.families.base import ImageSpec
 from kit.io import write_json
@@ -39,6 +42,22 @@ class Verification:
     mean_abs_diff: float
     passed: bool
     files: list[str] = field(default_factory=list)
+    clients: list[dict[str, Any]] = field(default_factory=list)
+    """How each client that reads the file loads it (`kit.export.conformance`)."""
+    notes: list[str] = field(default_factory=list)
+    """What a user should know: clients that cannot represent the result, checks not run."""
+
+    def describe(self) -> str:
+        """One line for the console."""
+        parts = []
+        if self.images:
+            parts.append(
+                f"{self.images} image(s) redrawn, max pixel difference {self.max_abs_diff}"
+            )
+        if self.clients:
+            exact = [c["client"] for c in self.clients if c["exact"]]
+            parts.append(f"exact in {', '.join(exact) or 'no client'}")
+        return "verified: " + ("; ".join(parts) or "nothing checked")
 
 
 @dataclass
@@ -84,30 +103,66 @@ def export(
         raise KitError(f"{run.root} has no complete checkpoint to export")
     step = json.loads((source / "progress.json").read_text())["step"]
     weights = {k: v.to(DTYPES[dtype]) for k, v in ckpt.exported_weights(source).items()}
-    meta = {
-        "kit.base_model": cfg.model.pretrained_model,
-        "kit.model_family": family.name,
-        "kit.network_type": cfg.network.network_type,
-        "kit.trigger_words": json.dumps(cfg.data.trigger_words),
-        "kit.steps": str(step),
-        "kit.resolution": str(cfg.data.resolution),
-    }
+    meta = shared_metadata(run, cfg, family, method, step)
     out = Path(out_dir) if out_dir else run.exports / fmt
     out.mkdir(parents=True, exist_ok=True)
     path, apply = method.write_export(fmt, weights, meta, step, out)
     verification = None
     if verify:
-        verification = verify_export(run, path, step, tolerance=tolerance, apply=apply)
+        verification = (
+            verify_export(run, path, step, tolerance=tolerance, apply=apply)
+            if apply is not None
+            else Verification(0, 0, 0.0, True)
+        )
+        if fmt == "kohya":
+            trained = ckpt.exported_weights(source)
+            checks = check_clients(cfg, family, method, path, trained)
+            verification.clients = as_records(checks)
+            verification.passed = verification.passed and all(c.passed for c in checks)
+            if not checks and apply is None:
+                verification.passed = False
+                verification.notes.append(
+                    f"nothing can check {family.name}'s kohya files: no client is modelled"
+                )
+            verification.notes += [
+                f"{c.client}: {c.known_gap or c.skipped}"
+                for c in checks
+                if c.known_gap or c.skipped
+            ]
         write_json(
             Path(f"{path}.verify.json" if path.is_dir() else path.with_suffix(".verify.json")),
             verification.__dict__,
         )
         if not verification.passed:
-            raise KitError(
-                f"{path} does not reproduce the kit's images (max pixel difference "
-                f"{verification.max_abs_diff} > {tolerance}); the export is not trustworthy"
+            failing = [c for c in verification.clients if not c["passed"]]
+            what = (
+                f"{path} does not load right in {', '.join(c['client'] for c in failing)}: "
+                + "; ".join(_failure(c) for c in failing)
+                if failing
+                else f"{path} does not reproduce the kit's images (max pixel difference "
+                f"{verification.max_abs_diff} > {tolerance})"
             )
+            raise KitError(f"{what}; the export is not trustworthy")
     return ExportResult(fmt, path, step, verification)
+
+
+def _failure(check: dict[str, Any]) -> str:
+    if check["unconsumed"]:
+        return f"{check['client']} reads no {check['unconsumed'][0]}"
+    if check["missed"]:
+        return f"{check['client']} leaves {check['missed'][0]} unchanged"
+    return f"{check['client']} is off by {check['max_relative_error']:.2g} (relative)"
+
+
+def check_clients(
+    cfg: Config, family: Family, method: Any, path: Path, trained: dict[str, Any]
+) -> list[ClientCheck]:
+    """Load the exported file with each client's rules onto a fresh base and compare it with
+    peft's merge of what was trained."""
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    base = family.load(cfg.model.pretrained_model, revision=cfg.model.revision)
+    return check_file(load_file(str(path)), metadata, family, method, base, trained)
 
 
 def reference_images(run: RunDir, step: int) -> list[tuple[ImageSpec, Path]]:
@@ -154,7 +209,8 @@ def verify_export(
         max_abs_diff=max_diff,
         mean_abs_diff=round(mean_diff, 4),
         passed=max_diff <= tolerance,
-        files=[str(p) for _, p in refs],
+        # Named within the run folder: the record travels with the exports.
+        files=[p.relative_to(run.root).as_posix() for _, p in refs],
     )
 
 

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from kit.config import Config
+from kit.errors import KitError
+from kit.families import kohya, ldm
 from kit.families.identity import fingerprint, part_config, tokenizer_identity, weights_identity
 from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
 
@@ -85,6 +87,12 @@ def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tens
     return mean + dist.std * noise.to(mean)
 
 
+def ldm_aliases(unet_config: Any) -> dict[str, str]:
+    """What ComfyUI derives from an SD UNet's config (`unet_to_diffusers`): each diffusers
+    weight key → the same weight's key in the original layout."""
+    return {f"{d}.weight": f"{o}.weight" for d, o in ldm.unet_module_names(unet_config).items()}
+
+
 def flow_sampling(sampling: str, loss_weighting: str) -> str:
     """The σ sampling a flow-matching run uses: `auto` becomes logit-normal, or uniform when a
     loss weighting is chosen.
@@ -127,10 +135,21 @@ class Family(ABC):
     """Denoiser module names adapted by LoRA when the config names none."""
     kohya_prefix: str = "lora_unet"
     """Key prefix of denoiser weights in the kohya / A1111 naming."""
+    kohya_text_prefixes: tuple[str, ...] = ()
+    """Key prefix of each text encoder's LoRA weights in the kohya naming (`lora_te`,
+    `lora_te1`, ...), in the family's encoder order; empty when no client loads text-encoder
+    LoRA for this family."""
+    diffusers_reads_kohya: bool = False
+    """diffusers' `load_lora_weights` reads this family's kohya LoRA files (so an export can
+    also be checked by redrawing images with it)."""
+    kohya_dora: bool = True
+    """DoRA can be written in the kohya layout (false where that layout fuses modules)."""
     base_model_version: str = ""
-    """`ss_base_model_version` written into kohya metadata."""
+    """`ss_base_model_version` written into kohya metadata (sd-scripts' and musubi's values)."""
     modelspec_architecture: str = ""
-    """`modelspec.architecture` written into kohya metadata."""
+    """`modelspec.architecture` of the base (the adapter's kind is appended: `…/lora`)."""
+    modelspec_implementation: str = "diffusers"
+    """`modelspec.implementation`: whose module naming the kohya file's keys follow."""
     pipeline_class: str = "StableDiffusionPipeline"
     """The diffusers pipeline class that samples this family (and saves its LoRA files)."""
     pipeline_kwargs: dict[str, Any] = {}
@@ -155,6 +174,17 @@ class Family(ABC):
         """The validation guidance: the configured one, else the family's default."""
         configured = self.cfg.validation.validation_guidance_scale
         return self.default_guidance_scale if configured is None else float(configured)
+
+    def version_metadata(self) -> dict[str, str]:
+        """What clients read to tell this base from others (A1111 hides a LoRA whose version
+        does not match the loaded checkpoint): `ss_base_model_version`, `ss_v2`, and the
+        modelspec architecture, implementation and prediction type."""
+        return {
+            "ss_base_model_version": self.base_model_version,
+            "ss_v2": "False",
+            "modelspec.architecture": self.modelspec_architecture,
+            "modelspec.implementation": self.modelspec_implementation,
+        }
 
     def frame_count(self, available: int) -> int:
         """The most frames (≤ available) a clip of this family may have; video families override."""
@@ -415,41 +445,87 @@ class Family(ABC):
     # ------------------------------------------------------------ export
 
     def save_diffusers_lora(
-        self, state: dict[str, torch.Tensor], adapter_config: dict[str, Any], out_dir: Path
+        self,
+        layers: dict[str, dict[str, torch.Tensor]],
+        adapter_configs: dict[str, dict[str, Any]],
+        out_dir: Path,
     ) -> Path:
-        """Write `pytorch_lora_weights.safetensors` as the family's pipeline saves it."""
+        """Write `pytorch_lora_weights.safetensors` as the family's pipeline saves it.
+
+        `layers` holds each adapted part's weights in peft naming, under `denoiser` or a text
+        encoder's subfolder name. The keys stay in peft's style for every target: diffusers'
+        older renaming covers only the attention projections, and a file that mixes both
+        styles loads only in part.
+        """
         import diffusers
-        from diffusers.utils import convert_state_dict_to_diffusers
 
         cls = getattr(diffusers, self.pipeline_class)
-        meta_kwarg = self.lora_layers_kwarg.replace("_lora_layers", "_lora_adapter_metadata")
-        cls.save_lora_weights(
-            out_dir,
-            **{
-                self.lora_layers_kwarg: convert_state_dict_to_diffusers(state),
-                meta_kwarg: adapter_config,
-            },
-            safe_serialization=True,
-        )
+        kwargs: dict[str, Any] = {}
+        for part, state in layers.items():
+            name = (
+                self.lora_layers_kwarg.removesuffix("_lora_layers") if part == "denoiser" else part
+            )
+            kwargs[f"{name}_lora_layers"] = state
+            kwargs[f"{name}_lora_adapter_metadata"] = adapter_configs[part]
+        cls.save_lora_weights(out_dir, **kwargs, safe_serialization=True)
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    def kohya_module(self, module: str) -> str:
+        """A denoiser module's path as the kohya file names it (the clients' model naming):
+        the diffusers path here; families whose clients use the original layout rename it."""
+        return module
 
     def kohya_state_dict(
         self, state: dict[str, torch.Tensor], alpha: float
     ) -> dict[str, torch.Tensor]:
-        """Adapter weights in the kohya naming that A1111, Forge and ComfyUI load."""
-        from diffusers.utils import convert_state_dict_to_kohya
+        """The denoiser's LoRA / DoRA weights in the kohya naming that A1111, Forge and ComfyUI
+        load (families whose original layout fuses modules override this)."""
+        return kohya.lora_keys(state, self.kohya_prefix, alpha, self.kohya_module)
 
-        magnitude = ".lora_magnitude_vector"
-        lora = {f"unet.{k}": v for k, v in state.items() if not k.endswith(magnitude)}
-        out = convert_state_dict_to_kohya(lora)
-        out = {k.replace("lora_unet", self.kohya_prefix, 1): v for k, v in out.items()}
-        for k in out:
-            if k.endswith(".alpha"):
-                out[k] = torch.tensor(float(alpha))
-        # DoRA: the per-output-row magnitude, under kohya's `dora_scale` name, shaped (out, 1)
-        # as LyCORIS-style readers broadcast it against the row norms.
-        for k, v in state.items():
-            if k.endswith(magnitude):
-                module = k[: -len(magnitude)].replace(".", "_")
-                out[f"{self.kohya_prefix}_{module}.dora_scale"] = v.reshape(-1, 1)
-        return out
+    def client_models(self, comps: Components) -> dict[str, Any]:
+        """The loaded model as each client that reads this family's kohya files holds it:
+        client name → (state dict in that client's own naming, the aliases the client derives
+        itself, or None), or → a sentence saying why that client cannot be checked here.
+
+        The export applies its file to these with each client's rules (`kit.export.clients`).
+        """
+        return {}
+
+    def lycoris_naming(self) -> tuple[str, Any]:
+        """(key prefix, module renaming) of the denoiser's LoHa / LoKr file."""
+        return self.kohya_prefix, self.kohya_module
+
+    # ------------------------------------------------------------ single file
+
+    def single_file_state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
+        """The whole model as one checkpoint in the original layout that A1111, Forge and
+        ComfyUI load (see `kit.families.ldm`); families without such a layout refuse."""
+        raise KitError(
+            f"{self.name} has no single-file checkpoint layout yet; "
+            "write a diffusers folder instead (--format diffusers)"
+        )
+
+    def single_file_pipeline(self, path: str | Path, config_source: str | Path) -> Any:
+        """The family's diffusers pipeline read back from a single-file checkpoint by diffusers'
+        own `from_single_file`, the diffusers folder (or hub id) `config_source` giving the
+        configs: an independent reading of what `single_file_state_dict` wrote."""
+        import diffusers
+
+        cls = getattr(diffusers, self.pipeline_class)
+        return cls.from_single_file(str(path), config=str(config_source), **self.pipeline_kwargs)
+
+    def transformer_file_pipeline(
+        self, transformer_class: str, path: str | Path, config_source: str | Path
+    ) -> Any:
+        """The pipeline of a family whose single file holds the transformer alone (as Flux,
+        SD3 and Wan files in ComfyUI's `diffusion_models` folder do): the transformer read by
+        diffusers' `from_single_file`, every other part from the base model."""
+        import diffusers
+
+        transformer = getattr(diffusers, transformer_class).from_single_file(
+            str(path), config=str(config_source), subfolder="transformer", local_files_only=True
+        )
+        cls = getattr(diffusers, self.pipeline_class)
+        return cls.from_pretrained(
+            str(config_source), transformer=transformer, **self.pipeline_kwargs
+        )

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import register, tiny
+from kit.families import flux_layout, kohya, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.identity import part_config
+from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -63,7 +65,51 @@ class Flux(Family):
     default_train_guidance_scale = 3.5
     pipeline_kwargs: dict[str, Any] = {}
     lora_layers_kwarg = "transformer_lora_layers"
-    export_formats = ("diffusers",)
+    # CLIP-L only: FluxPipeline loads no LoRA into T5 (sd-scripts would name it lora_te3).
+    kohya_text_prefixes = ("lora_te1",)
+    base_model_version = "flux1"  # sd-scripts' value
+    modelspec_architecture = "flux-1-dev"
+    modelspec_implementation = "https://github.com/black-forest-labs/flux"
+    export_formats = ("diffusers", "kohya")
+    kohya_dora = False
+
+    def kohya_state_dict(self, state, alpha):
+        # One LoRA per fused BFL weight (q, k, v → qkv; + the MLP input in single blocks).
+        return flux_layout.kohya_lora(state, alpha)
+
+    def lycoris_naming(self):
+        # A Kronecker product cannot hold three fused parts: LoHa / LoKr keep diffusers' module
+        # names under `lycoris_`, which ComfyUI maps into the fused rows itself.
+        return flux_layout.LYCORIS_PREFIX, flux_layout.lycoris_module
+
+    def client_models(self, comps):
+        # ComfyUI holds Flux in the BFL layout; the LoRA names those weights, the LyCORIS
+        # names diffusers' modules, which ComfyUI maps into the fused rows itself.
+        t, clip = comps.denoiser, comps.text_encoders[0]
+        config = dict(t.config)
+        model = {
+            **kohya.prefixed("diffusion_model.", flux_layout.to_original(t.state_dict(), config)),
+            **kohya.clip_state(clip, "clip_l.transformer."),
+        }
+        aliases = kohya.offset_aliases(flux_layout.module_map(config), flux_layout.SWAPPED_HALVES)
+        return {"ComfyUI": (model, aliases)}
+
+    def single_file_state_dict(self, comps):
+        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
+        # model beside the base's own text encoders and VAE.
+        t = comps.denoiser
+        return flux_layout.to_original(t.state_dict(), dict(t.config))
+
+    def single_file_pipeline(self, path, config_source):
+        return self.transformer_file_pipeline("FluxTransformer2DModel", path, config_source)
+
+    def version_metadata(self) -> dict[str, str]:
+        source = config_source(self.cfg.model.pretrained_model)
+        dev = part_config(source, "transformer").get("guidance_embeds", True)
+        return {
+            **super().version_metadata(),
+            "modelspec.architecture": "flux-1-dev" if dev else "flux-1-schnell",
+        }
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)

@@ -58,3 +58,19 @@ def weights_identity(source: str, subfolder: str, config: dict, revision: str | 
     return fingerprint(
         {"source": source, "sub": subfolder, "rev": revision, "cfg": config, "files": files}
     )
+
+
+def public_name(pretrained: str) -> str:
+    """The base model as a shared file may name it: a hub id, or a local folder's or file's name.
+
+    Exports, model cards and logs that users share carry this, never a local path (which would
+    show the user's folder layout). A folder inside the hub cache
+    (`…/models--org--name/snapshots/<hash>`) is named by the hub id it was downloaded from.
+    """
+    path = Path(pretrained).expanduser()
+    if not (path.is_absolute() or pretrained.startswith((".", "~")) or path.exists()):
+        return pretrained  # a hub id ("org/name") or a shipped short name
+    for part in reversed(path.parts):
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    return path.stem if path.suffix in (".safetensors", ".ckpt", ".pt", ".bin") else path.name

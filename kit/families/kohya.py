@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -132,4 +133,30 @@ def lycoris_keys(
         for part, value in parts.items():
             out[f"{name}.{part}"] = value.contiguous()
         out[f"{name}.alpha"] = torch.tensor(float(dim if dim is not None else rank))
+    return out
+
+
+def offset_aliases(
+    module_map: dict[str, tuple[str, int, int]], swapped: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """ComfyUI's diffusers-name aliases of a Flux / SD3 transformer from the kit's layout map.
+
+    `module_map` is diffusers module -> (original module, row offset, row count), as
+    `flux_layout.module_map(config)` and `sd3_layout.module_map(config)` give it; `swapped`
+    names the modules whose row halves ComfyUI exchanges (`flux_layout.SWAPPED_HALVES`,
+    `sd3_layout.swapped_modules(config)`). A part of a fused weight (an original module that
+    several diffusers modules share) becomes `(diffusion_model.<original>.weight, offset,
+    rows, swap)`, a swapped whole module `(key, 0, rows, True)`, and any other module the plain
+    key, as ComfyUI's own maps have them (the form decides where a `diff_b` goes).
+    """
+    shared: dict[str, int] = {}
+    for original, _, _ in module_map.values():
+        shared[original] = shared.get(original, 0) + 1
+    out: dict[str, Any] = {}
+    for module, (original, offset, rows) in module_map.items():
+        key = f"diffusion_model.{original}.weight"
+        swap = module in swapped
+        out[f"{module}.weight"] = (
+            (key, offset, rows, swap) if shared[original] > 1 or swap or offset else key
+        )
     return out

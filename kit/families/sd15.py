@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family, posterior_latent
-from kit.families.identity import saved_scheduler
+from kit.families import kohya, ldm, register, tiny
+from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
+from kit.families.identity import part_config, saved_scheduler
+from kit.families.shipped import config_source
 
 
 @register
@@ -17,11 +18,33 @@ class SD15(Family):
     bucket_step = 64
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     kohya_prefix = "lora_unet"
+    diffusers_reads_kohya = True
+    kohya_text_prefixes = ("lora_te",)
     base_model_version = "sd_v1"
-    modelspec_architecture = "stable-diffusion-v1/lora"
+    modelspec_architecture = "stable-diffusion-v1"
     pipeline_class = "StableDiffusionPipeline"
     default_guidance_scale = 7.5  # StableDiffusionPipeline's default
     pipeline_kwargs = {"safety_checker": None, "requires_safety_checker": False}
+
+    def version_metadata(self) -> dict[str, str]:
+        # SD 2.x shares this layout: told apart by its OpenCLIP text encoder and, for the 768
+        # models, v-prediction; kohya's values, so A1111 lists the file under SD2.
+        source = config_source(self.cfg.model.pretrained_model)
+        v2 = ldm.open_clip_text(part_config(source, "text_encoder"))
+        prediction = saved_scheduler(source, "DDPMScheduler").config.prediction_type
+        v_pred = prediction == "v_prediction"
+        version = ("sd_v2" if v2 else "sd_v1") + ("_v" if v_pred else "")
+        arch = "stable-diffusion-v1"
+        if v2:
+            arch = "stable-diffusion-v2-768-v" if v_pred else "stable-diffusion-v2-512"
+        return {
+            **super().version_metadata(),
+            "ss_base_model_version": version,
+            "ss_v2": str(v2),
+            "ss_v_parameterization": str(v_pred),
+            "modelspec.architecture": arch,
+            "modelspec.prediction_type": "v" if v_pred else "epsilon",
+        }
 
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
@@ -156,3 +179,40 @@ class SD15(Family):
             requires_safety_checker=False,
         )
         return tiny.save_pipeline(pipe, out_dir)
+
+    # ------------------------------------------------------------ clients
+
+    def client_models(self, comps):
+        unet, enc = comps.denoiser, comps.text_encoders[0]
+        original = ldm.unet_to_ldm(unet.state_dict(), unet.config)
+        clip = "clip_h" if ldm.open_clip_text(enc.config) else "clip_l"
+        kohya_model = {
+            **kohya.prefixed("unet.", unet.state_dict()),
+            **kohya.clip_state(enc, "text_encoder."),
+        }
+        per_block = unet.config.layers_per_block
+        return {
+            "ComfyUI": (
+                {
+                    **kohya.prefixed("diffusion_model.", original),
+                    **kohya.clip_state(enc, f"{clip}.transformer."),
+                },
+                ldm_aliases(unet.config),
+            ),
+            # A1111 renames diffusers-named UNet keys with the released models' arithmetic.
+            "A1111": (self.single_file_state_dict(comps), None)
+            if per_block == 2
+            else "A1111 renames diffusers UNet names assuming 2 resnets per block; "
+            f"this base has {per_block}",
+            "sd-scripts": (kohya_model, None),
+            "LyCORIS": (kohya_model, None),
+        }
+
+    # ------------------------------------------------------------ single file
+
+    def single_file_state_dict(self, comps):
+        # SD2 is this architecture with OpenCLIP ViT-H as its text encoder, which the original
+        # layout keeps in OpenCLIP's own naming; SD1's OpenAI CLIP keeps the transformers one.
+        open_clip = comps.text_encoders and ldm.open_clip_text(comps.text_encoders[0].config)
+        layout = "sd2" if open_clip else "sd1"
+        return ldm.components_state_dict(comps, layout)

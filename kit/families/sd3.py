@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kit.families import register, tiny
+from kit.families import kohya, register, sd3_layout, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
 
@@ -40,8 +39,15 @@ class SD3(Family):
     pipeline_class = "StableDiffusion3Pipeline"
     default_guidance_scale = 7.0  # StableDiffusion3Pipeline's default
     lora_layers_kwarg = "transformer_lora_layers"
-    # ComfyUI loads SD3 LoRAs in the diffusers key layout.
-    export_formats = ("diffusers",)
+    # The two CLIPs: StableDiffusion3Pipeline loads no LoRA into T5 (sd-scripts: lora_te3).
+    kohya_text_prefixes = ("lora_te1", "lora_te2")
+    base_model_version = "sd3"
+    modelspec_architecture = "stable-diffusion-3"
+    modelspec_implementation = "https://github.com/Stability-AI/sd3.5"
+    # diffusers and ComfyUI read the diffusers file; Forge and sd-scripts only the original
+    # layout of the kohya file.
+    export_formats = ("diffusers", "kohya")
+    kohya_dora = False
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
@@ -182,6 +188,39 @@ class SD3(Family):
             **kwargs,
         )
 
+    def kohya_state_dict(self, state, alpha):
+        # One LoRA per fused weight (q, k, v → qkv), named as sd-scripts' SD3 scripts do.
+        return sd3_layout.kohya_lora(state, alpha)
+
+    def lycoris_naming(self):
+        # Kronecker factors of q, k and v cannot be fused into one: LoHa / LoKr keep diffusers'
+        # names under `lycoris_`, which ComfyUI maps into the fused rows (Forge does not).
+        return sd3_layout.LYCORIS_DIFFUSERS_PREFIX, lambda module: module
+
+    def client_models(self, comps):
+        # ComfyUI holds SD3 in the MMDiT layout; the LoRA names those weights, the LyCORIS
+        # names diffusers' modules, which ComfyUI maps into the fused rows itself.
+        t = comps.denoiser
+        config = dict(t.config)
+        clip_l, clip_g = comps.text_encoders[:2]
+        model = {
+            **kohya.prefixed("diffusion_model.", sd3_layout.to_original(t.state_dict(), config)),
+            **kohya.clip_state(clip_l, "clip_l.transformer."),
+            **kohya.clip_state(clip_g, "clip_g.transformer."),
+        }
+        swapped = sd3_layout.swapped_modules(config)
+        aliases = kohya.offset_aliases(sd3_layout.module_map(config), swapped)
+        return {"ComfyUI": (model, aliases)}
+
+    def single_file_state_dict(self, comps):
+        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
+        # model beside the base's own text encoders and VAE.
+        t = comps.denoiser
+        return sd3_layout.to_original(t.state_dict(), dict(t.config))
+
+    def single_file_pipeline(self, path, config_source):
+        return self.transformer_file_pipeline("SD3Transformer2DModel", path, config_source)
+
     def call_kwargs(self, spec):
         kwargs = super().call_kwargs(spec)
         scale = kwargs.pop("cross_attention_kwargs", None)
@@ -190,21 +229,6 @@ class SD3(Family):
             # SD3's transformer reads the LoRA scale from its joint attention kwargs.
             kwargs["joint_attention_kwargs"] = scale
         return kwargs
-
-    # ------------------------------------------------------------ export
-
-    def save_diffusers_lora(self, state, adapter_config, out_dir):
-        from diffusers import StableDiffusion3Pipeline
-
-        # Keys stay in peft naming, as diffusers' SD3 LoRA example saves them: the UNet-era
-        # renaming (to_q.lora.down ...) is not read back by SD3's loader, which drops those keys.
-        StableDiffusion3Pipeline.save_lora_weights(
-            out_dir,
-            transformer_lora_layers=state,
-            transformer_lora_adapter_metadata=adapter_config,
-            safe_serialization=True,
-        )
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
 
     # ------------------------------------------------------------ memory estimate
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from kit.families import register, tiny
-from kit.families.base import PARTS, Components, Family, posterior_latent
-from kit.families.identity import saved_scheduler
+from kit.families import kohya, ldm, register, tiny
+from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
+from kit.families.identity import part_config, saved_scheduler
+from kit.families.shipped import config_source
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
@@ -36,8 +37,12 @@ class SDXL(Family):
     bucket_step = 64
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     kohya_prefix = "lora_unet"
+    diffusers_reads_kohya = True
+    kohya_text_prefixes = ("lora_te1", "lora_te2")
     base_model_version = "sdxl_base_v1-0"
-    modelspec_architecture = "stable-diffusion-xl-v1-base/lora"
+    modelspec_architecture = "stable-diffusion-xl-v1-base"
+    # The kohya file names UNet modules as Stability's SDXL code does (input_blocks…).
+    modelspec_implementation = "https://github.com/Stability-AI/generative-models"
     pipeline_class = "StableDiffusionXLPipeline"
     default_guidance_scale = 5.0  # StableDiffusionXLPipeline's default
     # The pipeline watermarks its output whenever invisible-watermark is installed; off, so the
@@ -45,6 +50,17 @@ class SDXL(Family):
     pipeline_kwargs = {"add_watermarker": False}
 
     text_subfolders = ("text_encoder", "text_encoder_2")
+
+    def version_metadata(self) -> dict[str, str]:
+        return {**super().version_metadata(), "modelspec.prediction_type": "epsilon"}
+
+    def kohya_module(self, module):
+        # kohya's SDXL scripts, and LyCORIS on them, name UNet modules as Stability's code does
+        # (`input_blocks.4.1…`), not by diffusers' names.
+        if not hasattr(self, "_ldm_names"):
+            unet = part_config(config_source(self.cfg.model.pretrained_model), "unet")
+            self._ldm_names = ldm.unet_module_names(unet)
+        return self._ldm_names[module]
 
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
@@ -241,3 +257,37 @@ class SDXL(Family):
             **self.pipeline_kwargs,
         )
         return tiny.save_pipeline(pipe, out_dir)
+
+    # ------------------------------------------------------------ clients
+
+    def client_models(self, comps):
+        unet = comps.denoiser
+        te1, te2 = comps.text_encoders
+        original = ldm.unet_to_ldm(unet.state_dict(), unet.config)
+        # sd-scripts' SDXL UNet (and LyCORIS on it) uses the LDM names.
+        kohya_model = {
+            **kohya.prefixed("unet.", original),
+            **kohya.clip_state(te1, "text_encoder1."),
+            **kohya.clip_state(te2, "text_encoder2."),
+        }
+        comfy = {
+            **kohya.prefixed("diffusion_model.", original),
+            **kohya.clip_state(te1, "clip_l.transformer."),
+            **kohya.clip_state(te2, "clip_g.transformer."),
+        }
+        return {
+            "ComfyUI": (comfy, ldm_aliases(unet.config)),
+            "A1111": (self.single_file_state_dict(comps), None),
+            "sd-scripts": (kohya_model, None),
+            "LyCORIS": (kohya_model, None),
+        }
+
+    # ------------------------------------------------------------ single file
+
+    def single_file_state_dict(self, comps):
+        return ldm.components_state_dict(comps, "sdxl")
+
+    def single_file_pipeline(self, path, config_source):
+        return ldm.load_pipeline(
+            self.pipeline_class, str(path), str(config_source), "sdxl", self.pipeline_kwargs
+        )

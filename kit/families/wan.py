@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kit.families import register, tiny
+from kit.families import kohya, register, tiny, wan_layout
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import saved_scheduler
 
@@ -34,7 +34,12 @@ class Wan(Family):
     pipeline_class = "WanPipeline"
     default_guidance_scale = 5.0  # WanPipeline's default
     lora_layers_kwarg = "transformer_lora_layers"
-    export_formats = ("diffusers",)
+    # ComfyUI reads Wan LoRA only under the original module names (`blocks.0.self_attn.q`), as
+    # musubi-tuner writes them: the kohya file; diffusers reads the diffusers one.
+    export_formats = ("diffusers", "kohya")
+    base_model_version = "wan2.1"
+    modelspec_architecture = "wan2.1"  # musubi-tuner's value
+    modelspec_implementation = "https://github.com/Wan-Video/Wan2.1"
     video = True
 
     @property
@@ -51,6 +56,24 @@ class Wan(Family):
     def identity_extras(self, pretrained, revision):
         # Cached embeddings are padded to the sequence length, so it is part of their key.
         return self.max_sequence_length
+
+    def kohya_module(self, module):
+        return wan_layout.original_name(module)
+
+    def client_models(self, comps):
+        # ComfyUI holds Wan in its original layout and reads LoRA by those names only.
+        t = comps.denoiser
+        original = wan_layout.to_original(t.state_dict(), dict(t.config))
+        return {"ComfyUI": (kohya.prefixed("diffusion_model.", original), None)}
+
+    def single_file_state_dict(self, comps):
+        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
+        # model beside the base's own text encoders and VAE.
+        t = comps.denoiser
+        return wan_layout.to_original(t.state_dict(), dict(t.config))
+
+    def single_file_pipeline(self, path, config_source):
+        return self.transformer_file_pipeline("WanTransformer3DModel", path, config_source)
 
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from kit.config import Config
 from kit.errors import ConfigError
-from kit.families import Components, Family
+from kit.families import Components, Family, kohya
 from kit.io import write_with
 from kit.methods import register
 from kit.methods.base import (
@@ -27,10 +27,11 @@ from kit.methods.base import (
     NetworkSummary,
     freeze_all,
     load_lora,
+    text_encoder_parts,
     trainable_count,
+    trainable_parameters,
     unwrap,
 )
-from kit.methods.lycoris import merge_into, to_lycoris
 
 
 def _matches(name: str, targets: list[str]) -> bool:
@@ -60,17 +61,27 @@ def target_modules(cfg: Config, family: Family, denoiser: nn.Module) -> list[str
     return names
 
 
-def summarize(module: nn.Module, kind: str) -> NetworkSummary:
-    """Which modules carry an adapter and how many parameters train in each."""
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
+"""Text-encoder modules adapted when the config names none: the attention projections."""
+
+
+def summarize(
+    module: nn.Module, kind: str, text: dict[str, nn.Module] | None = None
+) -> NetworkSummary:
+    """Which modules carry an adapter and how many parameters train in each; text-encoder
+    modules are named under their part (`text_encoder.text_model…`)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    parts = {"": module, **{f"{sub}.": enc for sub, enc in (text or {}).items()}}
     per_module = {
-        name: trainable_count(m)
-        for name, m in module.named_modules()
+        prefix + name: trainable_count(m)
+        for prefix, part in parts.items()
+        for name, m in part.named_modules()
         if isinstance(m, BaseTunerLayer)
     }
-    total = sum(p.numel() for p in module.parameters())
-    return NetworkSummary(kind, sorted(per_module), per_module, trainable_count(module), total)
+    total = sum(p.numel() for part in parts.values() for p in part.parameters())
+    trainable = sum(trainable_count(part) for part in parts.values())
+    return NetworkSummary(kind, sorted(per_module), per_module, trainable, total)
 
 
 def adapter_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -92,22 +103,58 @@ def load_adapter_state_dict(module: nn.Module, state: dict[str, torch.Tensor]) -
         raise ConfigError(f"checkpoint holds adapter weights this network lacks: {unexpected[:3]}")
 
 
-def merge_lycoris(family: Family) -> Apply:
-    """Apply a LyCORIS-style file by merging it with the kit's own reader (`lycoris.py`)."""
-
-    def apply(pipe: Any, path: Path) -> Any:
-        denoiser = getattr(pipe, family.lora_layers_kwarg.removesuffix("_lora_layers"))
-        merge_into(load_file(str(path)), denoiser, family.kohya_prefix)
-        return pipe
-
-    return apply
-
-
 class Adapter(Method):
-    """A peft adapter on the denoiser. Subclasses give the peft config and the kohya layout."""
+    """A peft adapter on the denoiser (and, for the LoRA kinds, optionally on the text
+    encoders). Subclasses give the peft config and the kohya layout."""
 
-    kohya_module = "networks.lora"
+    kohya_network_module = "networks.lora"
     """`ss_network_module` of the kohya file."""
+    modelspec_adapter = "lora"
+    hub_tags = ("lora",)
+    low_rank = True
+    text_adapters = False
+    """This kind can adapt text encoders too (`train_text_encoder`)."""
+
+    def __init__(self, cfg: Config, family: Family) -> None:
+        super().__init__(cfg, family)
+        self.text_ids = self._text_encoder_ids()
+        self.live_text = bool(self.text_ids)
+        # SDXL conditions on its encoders' penultimate layer: the last layer's adapters get no
+        # gradient, which DDP must be told to expect.
+        self.leaves_unused = bool(self.text_ids)
+
+    def _text_encoder_ids(self) -> tuple[int, ...]:
+        """The text encoders that get an adapter; refuses what no client could load."""
+        net, family = self.cfg.network, self.family
+        if not net.train_text_encoder:
+            if net.text_encoders:
+                raise ConfigError(
+                    f"text_encoders: {net.text_encoders} is set but train_text_encoder is false; "
+                    "set train_text_encoder: true to train them, or remove text_encoders"
+                )
+            return ()
+        if not self.text_adapters:
+            raise ConfigError(
+                f"train_text_encoder with network_type {self.name}: text-encoder adapters are "
+                "written only as LoRA (lora, dora), which is what diffusers, ComfyUI and A1111 "
+                "load for text encoders; use network_type lora, or train_text_encoder: false"
+            )
+        available = list(range(len(family.kohya_text_prefixes)))
+        if not available:
+            raise ConfigError(
+                f"train_text_encoder with network_type {self.name} on {family.name}: no client "
+                f"loads a LoRA into {family.name}'s text encoders ({family.pipeline_class} has no "
+                "text-encoder LoRA); set train_text_encoder: false"
+            )
+        chosen = sorted(set(net.text_encoders)) or available
+        wrong = [i for i in chosen if i not in available]
+        if wrong:
+            names = ", ".join(f"{i}: {family.text_subfolders[i]}" for i in available)
+            raise ConfigError(
+                f"text_encoders: {wrong} on {family.name}: the encoders a LoRA can be loaded "
+                f"into are {names}"
+            )
+        return tuple(chosen)
 
     def peft_config(self, targets: list[str], alpha: float) -> Any:
         """The peft config of this adapter on `targets`."""
@@ -117,6 +164,11 @@ class Adapter(Method):
         """The peft config on the modules the config's filters select in `denoiser`."""
         return self.peft_config(target_modules(self.cfg, self.family, denoiser), self.alpha())
 
+    def text_config(self) -> Any:
+        """The peft config of the text-encoder adapters."""
+        targets = self.cfg.network.text_encoder_target_modules or list(TEXT_TARGETS)
+        return self.peft_config(list(targets), self.alpha())
+
     def alpha(self) -> float:
         """The update scale's numerator: `lora_alpha`, or the rank when unset (as configured)."""
         net = self.cfg.network
@@ -124,35 +176,100 @@ class Adapter(Method):
 
     # ------------------------------------------------------------ training
 
+    def _text_parts(self, encoders: list[nn.Module]) -> dict[str, nn.Module]:
+        """Subfolder name → the (unwrapped) text encoders that carry an adapter."""
+        subs = self.family.text_subfolders
+        return {subs[i]: unwrap(encoders[i]) for i in self.text_ids}
+
+    def _attach(self, denoiser: nn.Module, encoders: list[nn.Module]) -> NetworkSummary:
+        from peft import inject_adapter_in_model
+
+        denoiser.add_adapter(self.adapter_config(denoiser))
+        text = self._text_parts(encoders)
+        for sub, enc in text.items():
+            config = self.text_config()
+            try:
+                inject_adapter_in_model(config, enc, adapter_name="default")
+            except ValueError as e:
+                raise ConfigError(
+                    f"text_encoder_target_modules: no module of {sub} matches "
+                    f"{self.text_config().target_modules} ({e})"
+                ) from None
+            # What `add_adapter` records, so peft's state-dict helpers find the adapter.
+            enc.peft_config = {"default": config}
+        return summarize(denoiser, self.name, text)
+
     def attach(self, comps: Components) -> NetworkSummary:
         freeze_all(comps.frozen_modules())
-        comps.denoiser.add_adapter(self.adapter_config(comps.denoiser))
-        return summarize(comps.denoiser, self.name)
+        return self._attach(comps.denoiser, comps.text_encoders)
+
+    def trained_text_encoders(self) -> tuple[int, ...]:
+        return self.text_ids
+
+    def param_groups(self, comps: Components) -> list[dict[str, Any]]:
+        if not self.text_ids:
+            return super().param_groups(comps)
+        lr = self.cfg.network.text_encoder_lr
+        denoiser = list(trainable_parameters(unwrap(comps.denoiser)))
+        text = [
+            p
+            for enc in self._text_parts(comps.text_encoders).values()
+            for p in trainable_parameters(enc)
+        ]
+        return [{"params": denoiser}, {"params": text, **({"lr": lr} if lr is not None else {})}]
 
     def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
-        return adapter_state_dict(unwrap(comps.denoiser))
+        out = adapter_state_dict(unwrap(comps.denoiser))
+        for sub, enc in self._text_parts(comps.text_encoders).items():
+            out.update({f"{sub}.{k}": v for k, v in adapter_state_dict(enc).items()})
+        return out
 
     def load_state_dict(self, comps: Components, state: dict[str, torch.Tensor]) -> None:
-        load_adapter_state_dict(unwrap(comps.denoiser), state)
+        text = self._text_parts(comps.text_encoders)
+        own = {k: v for k, v in state.items() if k.split(".", 1)[0] not in text}
+        load_adapter_state_dict(unwrap(comps.denoiser), own)
+        for sub, enc in text.items():
+            prefix = f"{sub}."
+            load_adapter_state_dict(
+                enc, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+            )
 
     def mark_trainable(self, parts: dict[str, nn.Module]) -> NetworkSummary:
         freeze_all(parts.values())
-        denoiser = parts["denoiser"]
-        denoiser.add_adapter(self.adapter_config(denoiser))
-        return summarize(denoiser, self.name)
+        return self._attach(parts["denoiser"], text_encoder_parts(parts))
 
     # ------------------------------------------------------------ export
 
     def export_formats(self) -> tuple[str, ...]:
         return self.family.export_formats
 
+    def split(self, weights: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Checkpoint weights by part: `denoiser` and each adapted text encoder's subfolder."""
+        text = {self.family.text_subfolders[i] for i in self.text_ids}
+        parts: dict[str, dict[str, torch.Tensor]] = {"denoiser": {}, **{sub: {} for sub in text}}
+        for k, v in weights.items():
+            head, _, rest = k.partition(".")
+            if head in text:
+                parts[head][kohya.clip_key(rest)] = v
+            else:
+                parts["denoiser"][k] = v
+        return parts
+
     def kohya_tensors(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights in the kohya / LyCORIS key layout that A1111, Forge and ComfyUI load."""
-        return self.family.kohya_state_dict(weights, float(self.alpha()))
+        parts = self.split(weights)
+        alpha = float(self.alpha())
+        out = self.family.kohya_state_dict(parts.pop("denoiser"), alpha)
+        subs = list(self.family.text_subfolders)
+        for sub, state in parts.items():
+            prefix = self.family.kohya_text_prefixes[subs.index(sub)]
+            out.update(kohya.lora_keys(state, prefix, alpha))
+        return out
 
-    def kohya_apply(self) -> Apply:
-        """How the kohya file is applied when it is verified."""
-        return load_lora
+    def kohya_apply(self) -> Apply | None:
+        """How diffusers applies the kohya file to redraw the kit's images, or None where
+        diffusers does not read this family's kohya files (the client checks still run)."""
+        return load_lora if self.family.diffusers_reads_kohya else None
 
     def kohya_network_args(self) -> dict[str, str]:
         """`ss_network_args` of the kohya file."""
@@ -160,48 +277,66 @@ class Adapter(Method):
 
     def write_export(self, fmt, weights, meta, step, out) -> tuple[Path, Apply]:
         family = self.family
-        denoiser = family.empty_parts(self.cfg.model.pretrained_model)["denoiser"]
-        peft_config = self.adapter_config(denoiser)
+        parts = family.empty_parts(self.cfg.model.pretrained_model)
         alpha, rank = float(self.alpha()), int(self.cfg.network.lora_rank)
         meta = {**meta, "kit.rank": str(rank), "kit.alpha": str(alpha)}
         if fmt == "diffusers":
-            return _write_diffusers(family, weights, peft_config, meta, out), load_lora
+            # alpha / rank is folded into lora_B and the file says alpha = rank: diffusers reads
+            # alpha from the metadata, ComfyUI and Forge from no metadata at all (scale 1), and
+            # both then apply the trained update.
+            configs = {"denoiser": self.adapter_config(parts["denoiser"]).to_dict()}
+            configs.update(
+                {
+                    sub: self.text_config().to_dict()
+                    for sub in self._text_parts(text_encoder_parts(parts))
+                }
+            )
+            for config in configs.values():
+                config["lora_alpha"] = config["r"]
+            layers = {
+                part: fold_scale(state, alpha / rank) for part, state in self.split(weights).items()
+            }
+            return _write_diffusers(family, layers, configs, meta, out), load_lora
         path = self._write_kohya(self.kohya_tensors(weights), alpha, rank, meta, step, out)
         return path, self.kohya_apply()
 
     def _write_kohya(self, tensors, alpha: float, rank: int, meta, step: int, out: Path) -> Path:
-        cfg, family = self.cfg, self.family
+        cfg = self.cfg
         name = Path(cfg.train.output_dir).name or "lora"
         metadata = {
             **meta,
-            "ss_network_module": self.kohya_module,
+            "ss_network_module": self.kohya_network_module,
             "ss_network_dim": str(rank),
             "ss_network_alpha": str(alpha),
             "ss_network_args": json.dumps(self.kohya_network_args()),
-            "ss_base_model_version": family.base_model_version,
             "ss_steps": str(step),
             "ss_output_name": name,
             "ss_resolution": f"({cfg.data.resolution}, {cfg.data.resolution})",
-            "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": family.modelspec_architecture,
-            "modelspec.implementation": "diffusers",
+            "ss_text_encoder_lr": str(cfg.network.text_encoder_lr or cfg.train.learning_rate)
+            if self.text_ids
+            else "",
             "modelspec.title": name,
-            "modelspec.trigger_phrase": ", ".join(cfg.data.trigger_words),
         }
+        metadata = {k: v for k, v in metadata.items() if v != ""}
         path = out / f"{name}.safetensors"
         write_with(path, lambda t: save_file(tensors, str(t), metadata=metadata))
         return path
 
 
-def _write_diffusers(family: Family, adapter, peft_config, meta, out: Path) -> Path:
+def _write_diffusers(family: Family, layers, configs, meta, out: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        written = family.save_diffusers_lora(adapter, peft_config.to_dict(), Path(tmp))
+        written = family.save_diffusers_lora(layers, configs, Path(tmp))
         with safe_open(str(written), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             metadata = {**(f.metadata() or {}), **meta}
         path = out / written.name
         write_with(path, lambda t: save_file(tensors, str(t), metadata=metadata))
     return path
+
+
+def fold_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """peft LoRA weights with the update scale multiplied into `lora_B` (the rest unchanged)."""
+    return {k: v * scale if ".lora_B." in k else v for k, v in state.items()}
 
 
 @register
@@ -212,6 +347,8 @@ class Lora(Adapter):
     title = "LoRA"
     base_learning_rate = 1e-4
     dora = False
+    text_adapters = True
+    rank_bounded = True
 
     def peft_config(self, targets, alpha):
         from peft import LoraConfig
@@ -234,16 +371,40 @@ class Dora(Lora):
     name = "dora"
     title = "DoRA"
     dora = True
+    hub_tags = ("lora", "dora")
+    rank_bounded = False  # the magnitudes rescale whole rows: W' − W is full rank
 
-    def kohya_apply(self) -> Apply:
-        # diffusers drops kohya DoRA magnitudes, so DoRA is checked with the kit's own reader.
-        return merge_lycoris(self.family)
+    kohya_network_module = "lycoris.kohya"  # kohya's own networks.lora has no DoRA
+
+    def kohya_apply(self) -> Apply | None:
+        return None  # diffusers drops kohya DoRA magnitudes: the client checks decide
+
+    def kohya_network_args(self) -> dict[str, str]:
+        # LyCORIS' DoRA is weight-decomposed per output row, peft's convention.
+        return {"algo": "lora", "dora_wd": "True"}
+
+    def export_formats(self) -> tuple[str, ...]:
+        # One magnitude per row of a fused weight would need the untrained parts' norms.
+        formats = self.family.export_formats
+        return formats if self.family.kohya_dora else tuple(f for f in formats if f != "kohya")
+
+    def client_gaps(self) -> dict[str, str]:
+        way_out = "for a plain LoRA that loads everywhere: kit resize RUN --rank R"
+        return {
+            "ComfyUI": "ComfyUI divides DoRA's magnitude by the norm of the base weight, not of "
+            f"the updated one, so it applies an approximation ({way_out})",
+            "A1111": "A1111 normalises DoRA per input column, not per output row as DoRA does "
+            f"({way_out})",
+            "sd-scripts": "sd-scripts' networks.lora reads no DoRA magnitude; load the file with "
+            "--network_module lycoris.kohya",
+        }
 
 
 class Lycoris(Adapter):
     """LoHa and LoKr: exported only as LyCORIS keys in the kohya naming."""
 
-    kohya_module = "lycoris.kohya"
+    kohya_network_module = "lycoris.kohya"
+    hub_tags = ("lycoris", "lora")
     base_learning_rate = 2e-4
 
     @classmethod
@@ -265,10 +426,17 @@ class Lycoris(Adapter):
 
     def kohya_tensors(self, weights):
         rank = int(self.cfg.network.lora_rank)
-        return to_lycoris(weights, float(self.alpha()), rank, self.family.kohya_prefix)
+        prefix, rename = self.family.lycoris_naming()
+        return kohya.lycoris_keys(weights, float(self.alpha()), rank, prefix, rename)
 
-    def kohya_apply(self) -> Apply:
-        return merge_lycoris(self.family)
+    def kohya_apply(self) -> Apply | None:
+        return None  # diffusers reads no LyCORIS file: the client checks decide
+
+    def client_gaps(self) -> dict[str, str]:
+        return {
+            "sd-scripts": "sd-scripts' networks.lora reads LoRA keys only; load LyCORIS files "
+            "with --network_module lycoris.kohya",
+        }
 
     def kohya_network_args(self) -> dict[str, str]:
         return {"algo": self.name}

@@ -55,6 +55,19 @@ class Method:
     """Every weight of the denoiser trains: it stays fp32 instead of taking the half dtype."""
     leaves_unused = False
     """A step may leave some trained parameters without a gradient (DDP must then look for them)."""
+    low_rank = False
+    """The method trains a low-rank update of the denoiser's weights (the adapter kinds):
+    what `kit resize` can shrink, whose rank and alpha the model card reports."""
+    rank_bounded = False
+    """Its update's rank is at most the configured rank (plain LoRA: ΔW = B·A), so resizing
+    to that rank or above would change nothing."""
+    embeddings = False
+    """The method trains new token embeddings: prompts must use its placeholder tokens."""
+    hub_tags: tuple[str, ...] = ()
+    """The model card's tags that say what kind of file this is (`lora`, `lycoris`, …)."""
+    modelspec_adapter: str = ""
+    """The adapter kind appended to `modelspec.architecture` (`lora`, `textual-inversion`);
+    empty for a whole model."""
 
     def __init__(self, cfg: Config, family: Family) -> None:
         self.cfg = cfg
@@ -76,6 +89,11 @@ class Method:
     def parameters(self, comps: Components) -> list[nn.Parameter]:
         """The trained parameters, in a fixed order."""
         return [p for m in comps.frozen_modules() for p in m.parameters() if p.requires_grad]
+
+    def param_groups(self, comps: Components) -> list[dict[str, Any]]:
+        """The trained parameters as optimizer groups, in `parameters`' order; a group's `lr`,
+        where given, overrides the configured learning rate."""
+        return [{"params": self.parameters(comps)}]
 
     def state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
         """The trained weights, as saved in checkpoints and read by export."""
@@ -106,6 +124,11 @@ class Method:
         raise NotImplementedError
 
     # ------------------------------------------------------------ export
+
+    def client_gaps(self) -> dict[str, str]:
+        """Client name → why that client cannot reproduce what this method trains (its files
+        are still checked and the difference reported); none by default."""
+        return {}
 
     def export_formats(self) -> tuple[str, ...]:
         """The export formats of this method on its family."""

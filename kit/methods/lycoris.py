@@ -17,46 +17,9 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-PARTS = {
-    "hada_w1_a",
-    "hada_w1_b",
-    "hada_w2_a",
-    "hada_w2_b",
-    "lokr_w1",
-    "lokr_w1_a",
-    "lokr_w1_b",
-    "lokr_w2",
-    "lokr_w2_a",
-    "lokr_w2_b",
-}
-
 
 def _key(prefix: str, module: str) -> str:
     return f"{prefix}_{module.replace('.', '_')}"
-
-
-def to_lycoris(
-    state: dict[str, torch.Tensor], alpha: float, rank: int, prefix: str
-) -> dict[str, torch.Tensor]:
-    """peft LoHa / LoKr weights (peft naming) → LyCORIS keys with the same update."""
-    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for key, value in state.items():
-        module, part = key.rsplit(".", 1)
-        if part not in PARTS:
-            raise ValueError(f"{key}: not a LoHa or LoKr weight this layout can hold")
-        modules[module][part] = value
-    out: dict[str, torch.Tensor] = {}
-    for module, parts in modules.items():
-        name = _key(prefix, module)
-        parts = dict(parts)
-        low_rank = any(p in parts for p in ("hada_w1_b", "lokr_w1_b", "lokr_w2_b"))
-        if not low_rank:
-            # Readers leave a full-matrix LoKr unscaled: fold peft's alpha / rank into w1.
-            parts["lokr_w1"] = parts["lokr_w1"] * (alpha / rank)
-        for part, value in parts.items():
-            out[f"{name}.{part}"] = value.contiguous()
-        out[f"{name}.alpha"] = torch.tensor(float(alpha))
-    return out
 
 
 def _delta(parts: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:

@@ -36,6 +36,9 @@ class TextualInversion(Method):
     name = "textual_inversion"
     title = "textual inversion"
     base_learning_rate = 5e-3
+    modelspec_adapter = "textual-inversion"
+    hub_tags = ("textual-inversion",)
+    embeddings = True
     live_text = True
     # Only embedding rows train; the denoiser is frozen whole, and accelerate wrapping a module
     # without a trained parameter is an error under DDP.

@@ -93,13 +93,14 @@ def prepare(
 
     torch.manual_seed(t.seed)  # adapter initialisation, the same whichever parts were loaded
     summary = method.attach(comps)
-    params = method.parameters(comps)
+    groups = method.param_groups(comps)
+    params = [p for g in groups for p in g["params"]]
     for p in params:
         p.data = p.data.float()  # trained weights stay fp32 whatever the base's dtype
     if t.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     comps.denoiser.train()
-    optimizer = make_optimizer(params, t)
+    optimizer = make_optimizer(groups, t)
     scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
     trained, optimizer, scheduler = _prepare_trained(
         accelerator, method, comps, optimizer, scheduler

@@ -46,7 +46,7 @@ map each diffusers weight onto the original one, either whole or as a row slice
 `(key, (0, offset, rows))` of a fused weight (q, k, v of `qkv`; q, k, v and the MLP input of
 `linear1`), some with `swap_scale_shift` (Flux's and SD3's `norm_out.linear`, SD3's last
 `norm1_context.linear`). An alias value here is that entry: a key, or
-`(key, offset, rows[, swap])` (`offset_aliases` builds them from the kit's layout maps).
+`(key, offset, rows[, swap])` (`kit.families.kohya.offset_aliases` builds them from the kit's layout maps).
 
 * Names (`model_lora_keys_unet`). Flux: `transformer.<path>`, `lycoris_<path with _>`,
   `lora_transformer_<path with _>` and the bare `<path>`, plus
@@ -215,32 +215,6 @@ def _fused_qkv_names(model: dict[str, torch.Tensor], out: dict[str, Target]) -> 
     for key in model:
         if key.endswith(".weight") and ".linear1." in key:
             out[key.replace(".linear1.weight", ".linear1_qkv")] = Slice(key, 0, 3 * hidden)
-
-
-def offset_aliases(
-    module_map: dict[str, tuple[str, int, int]], swapped: set[str] | frozenset[str] = frozenset()
-) -> dict[str, Alias]:
-    """ComfyUI's diffusers-name aliases of a Flux / SD3 transformer from the kit's layout map.
-
-    `module_map` is diffusers module -> (original module, row offset, row count), as
-    `flux_layout.module_map(config)` and `sd3_layout.module_map(config)` give it; `swapped`
-    names the modules whose row halves ComfyUI exchanges (`flux_layout.SWAPPED_HALVES`,
-    `sd3_layout.swapped_modules(config)`). A part of a fused weight (an original module that
-    several diffusers modules share) becomes `(diffusion_model.<original>.weight, offset,
-    rows, swap)`, a swapped whole module `(key, 0, rows, True)`, and any other module the plain
-    key, as ComfyUI's own maps have them (the form decides where a `diff_b` goes).
-    """
-    shared: dict[str, int] = {}
-    for original, _, _ in module_map.values():
-        shared[original] = shared.get(original, 0) + 1
-    out: dict[str, Alias] = {}
-    for module, (original, offset, rows) in module_map.items():
-        key = f"{_PREFIX}{original}.weight"
-        swap = module in swapped
-        out[f"{module}.weight"] = (
-            (key, offset, rows, swap) if shared[original] > 1 or swap or offset else key
-        )
-    return out
 
 
 def _clip_names(model: dict[str, torch.Tensor], out: dict[str, Target]) -> None:
