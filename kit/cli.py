@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from kit import cli_share
 from kit.errors import KitError
 
 
@@ -221,34 +222,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from kit.config import load_config
-    from kit.export.writer import export, formats_for
-    from kit.families import get_family
-    from kit.run.folder import open_run
-
-    formats = args.format
-    if not formats:
-        cfg = load_config(open_run(args.run_dir).config)
-        formats = formats_for(cfg, get_family(cfg.model.model_family, cfg))
-    for fmt in formats:
-        r = export(
-            args.run_dir,
-            fmt,
-            checkpoint=args.checkpoint,
-            dtype=args.dtype,
-            verify=not args.no_verify,
-        )
-        v = r.verification
-        check = (
-            f"verified on {v.images} image(s), max pixel difference {v.max_abs_diff}"
-            if v
-            else "not verified"
-        )
-        print(f"{fmt}: {r.path} (step {r.step}; {check})")
-    return 0
-
-
 def cmd_notebooks(args: argparse.Namespace) -> int:
     from kit.ui.notebooks import run_notebooks
 
@@ -456,18 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--overwrite", action="store_true", help="replace an earlier run in output_dir")
     sp.set_defaults(func=cmd_train)
 
-    sp = sub.add_parser("export", help="export a run's adapter and verify it")
-    sp.add_argument("run_dir")
-    sp.add_argument(
-        "--format",
-        nargs="+",
-        choices=["diffusers", "kohya", "embedding"],
-        help="default: every format the run's network and family offer",
-    )
-    sp.add_argument("--checkpoint", help="checkpoint folder (default: the latest)")
-    sp.add_argument("--dtype", default="fp32", choices=["fp32", "fp16", "bf16"])
-    sp.add_argument("--no-verify", action="store_true", help="skip the reload check")
-    sp.set_defaults(func=cmd_export)
+    cli_share.add_commands(sub)
 
     sp = sub.add_parser("plan", help="propose a config from the dataset and the task, with reasons")
     sp.add_argument("data_dir", help="folder of images and captions")
