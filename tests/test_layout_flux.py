@@ -22,7 +22,7 @@ from kit.families.flux_layout import (
     to_original,
 )
 from kit.families.kohya import lycoris_keys as generic_lycoris_keys
-from kit.methods.lycoris import delta_weights
+from tests.lycoris_reference import delta_weights
 
 RANK, ALPHA = 4, 8.0  # alpha ≠ rank, so a lost or doubled scale shows
 

@@ -20,11 +20,11 @@ from kit.errors import KitError
 from kit.export.resize import RESIZE_RECORD, reduce_lora, resize, truncate, truncate_factors
 from kit.families import get_family
 from kit.methods import get_method
-from kit.methods.lycoris import delta_weights
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
 from kit.train.loop import train
 from tests.conftest import write_run_config
+from tests.lycoris_reference import delta_weights
 
 DOWN, UP = ".lora_A.weight", ".lora_B.weight"
 

@@ -27,7 +27,6 @@ PROJECT = "diffusion-tuning-kit"
 
 BASE_LICENSES: dict[str, dict[str, str]] = {
     "stable-diffusion-v1-5/stable-diffusion-v1-5": {"license": "creativeml-openrail-m"},
-    "runwayml/stable-diffusion-v1-5": {"license": "creativeml-openrail-m"},
     "stabilityai/stable-diffusion-xl-base-1.0": {"license": "openrail++"},
     "stabilityai/stable-diffusion-3.5-medium": {
         "license": "other",

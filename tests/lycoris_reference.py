@@ -1,4 +1,6 @@
-"""The LyCORIS file layout of LoHa and LoKr adapters (what A1111, Forge and ComfyUI load).
+"""Test helper: the update a LyCORIS-layout file applies, computed by the plain formulas.
+
+The LyCORIS file layout of LoHa and LoKr adapters (what A1111, Forge and ComfyUI load).
 
 Keys are `<prefix>_<module path with dots as underscores>.<part>`: `hada_w1_a`, `hada_w1_b`,
 `hada_w2_a`, `hada_w2_b` (LoHa) or `lokr_w1` / `lokr_w1_a` / `lokr_w1_b`, `lokr_w2` /
