@@ -36,6 +36,11 @@ def cmd_env(args: argparse.Namespace) -> int:
     for d in rep["devices"]:
         print(f"{'device':>14}  {d}")
     print(f"{'disk free':>14}  {rep['disk_free_gib']} GiB")
+    mem = rep.get("memory", {})
+    print(
+        f"{'host RAM':>14}  {mem.get('total_gib')} GiB total, {mem.get('available_gib')} GiB "
+        f"available; this process peaked at {mem.get('peak_rss_gib')} GiB"
+    )
     for note in advice(rep):
         print(f"  - {note}")
     return 0
@@ -176,12 +181,20 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         print(f"{k:>24}  {v / GIB:8.3f} GiB")
     phase = d["details"]["peak_phase"]
     print(f"{'total':>24}  {est.total_bytes / GIB:8.3f} GiB  (peak in the {phase})")
+    print(f"{'setup (cache filling)':>24}  {est.setup_bytes / GIB:8.3f} GiB")
+    for k, v in est.host.items():
+        if v:
+            print(f"{'host RAM: ' + k:>24}  {v / GIB:8.3f} GiB")
+    print(f"{'host RAM total':>24}  {est.host_bytes / GIB:8.3f} GiB")
     for name, ok in d["fits"].items():
         print(f"{name:>24}  {'fits' if ok else 'does not fit'}")
     if budget is not None:
         print(f"{'budget':>24}  {budget} GiB: {'fits' if d['fits_budget'] else 'does not fit'}")
         for r in d.get("advice", []):
-            print(f"  - {r['changes']}: {r['peak_gib']} GiB, about {r['slowdown']}x the time")
+            print(
+                f"  - {r['changes']}: {r['peak_gib']} GiB (host RAM {r['host_ram_gib']} GiB), "
+                f"about {r['slowdown']}x the time"
+            )
         if not d["fits_budget"] and not d.get("advice"):
             print("  - no searched setting fits this budget")
     for note in est.notes:

@@ -286,7 +286,10 @@ def _refused(tmp_path, make_config, family, kind, match):
         network_type=kind,
         **(ti if kind == "textual_inversion" else {}),
     )
-    return path, f"network_type {kind} on {family}: .*{match}.*supports: dora, full, loha, lokr, lora"
+    return (
+        path,
+        f"network_type {kind} on {family}: .*{match}.*supports: dora, full, loha, lokr, lora",
+    )
 
 
 @pytest.mark.parametrize(("family", "kind", "match"), REFUSED)

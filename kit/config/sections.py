@@ -19,9 +19,23 @@ class ModelConfig:
     model_family: str = "sd15"
     """Registered model family (see `kit families`), e.g. `sd15`."""
     pretrained_model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-    """Base model: a local diffusers folder or a hub id."""
+    """Base model: a local diffusers folder, a hub id, or one `.safetensors` / `.ckpt` file
+    (as A1111, ComfyUI and model sites share them; see `model_config`)."""
+    model_config: str = ""
+    """For a single-file `pretrained_model`: where the architecture's configs, the tokenizers,
+    the scheduler and any part the file lacks come from: a diffusers folder or hub id of the same
+    architecture, or a config the kit ships (`sd15`, `sdxl`, `sd35m`, `flux-dev`, `wan21-1.3b`);
+    empty takes the family's shipped config. The shipped configs hold no tokenizers or weights:
+    they describe the architecture (estimates, previews), and training needs a folder or hub id."""
+    vae_model: str = ""
+    """Another VAE to use (a diffusers folder, hub id or single file), e.g. an fp16-safe SDXL
+    VAE; empty keeps the base model's."""
+    base_quantization: Literal["none", "int8", "fp8", "nf4"] = "none"
+    """Store the frozen denoiser (and T5, where there is one) quantized: `int8` and `fp8`
+    weights, or `nf4` (4-bit, CUDA only); adapters train in full precision on top."""
     revision: str | None = None
-    """Hub revision (branch, tag or commit) of the base model; ignored for local folders."""
+    """Hub revision (branch, tag or commit) of the base model (of `model_config`, for a
+    single-file base); ignored for local folders."""
     variant: str | None = None
     """Weights variant of the base model, e.g. `fp16`."""
     max_sequence_length: int = 0
@@ -300,6 +314,9 @@ class TrainConfig:
     """Compute precision; falls back to fp32 with a warning where the hardware lacks it."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% slower."""
+    blocks_to_swap: int = 0
+    """Keep this many of the denoiser's transformer blocks in CPU memory and bring each to the
+    GPU only for its forward and backward (Flux, SD3, Wan): less VRAM, slower steps."""
     adam_beta1: float = 0.9
     """AdamW first-moment decay."""
     adam_beta2: float = 0.999

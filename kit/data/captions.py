@@ -95,8 +95,8 @@ def _token_counts(
     family = get_family(cfg.model.model_family, cfg)
     try:
         tokenizers = family.load_tokenizers(cfg.model.pretrained_model)
-    except (OSError, ValueError):
-        return None  # the base model is not reachable yet; counts come later
+    except (OSError, ValueError, KitError):
+        return None  # the base model (or its tokenizers) is not reachable yet; counts come later
     files = files if files is not None else [f"caption {i}" for i in range(len(captions))]
     out = {}
     for name, tok in tokenizers.items():

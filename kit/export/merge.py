@@ -99,8 +99,9 @@ def merge(
             "trained the weights themselves, which merge as trained (scale 1)"
         )
     rounding = cast(comps, DTYPES[dtype])
-    config_source = base_cfg.model.pretrained_model
-    record = merge_record(cfg, family, step, scale, dtype, config_source)
+    # A single-file base is read back with its configs from `model_config`.
+    config_source = family.model_source(base_cfg.model.pretrained_model)
+    record = merge_record(cfg, family, step, scale, dtype, base_cfg.model.pretrained_model)
     out = Path(out)
     if fmt == "single_file":
         path = (

@@ -187,15 +187,12 @@ def verify_export(
     run: RunDir, path: Path, step: int, tolerance: int = 2, apply: Apply = load_lora
 ) -> Verification:
     """Apply an export to a fresh diffusers pipeline; redraw the kit's images; compare."""
-    import diffusers
-
     cfg = load_config(run.config)
     family = get_family(cfg.model.model_family, cfg)
-    refs = reference_images(run, step) or _draw_references(run, step)
-    pipe_cls = getattr(diffusers, family.pipeline_class)
-    pipe = apply(
-        pipe_cls.from_pretrained(cfg.model.pretrained_model, **family.pipeline_kwargs), path
-    )
+    refs, notes = _references(run, cfg.model.base_quantization, step)
+    # Plain diffusers on the configured base (a single file and `vae_model` included), in the
+    # fp32 the kit's reference images are redrawn in.
+    pipe = apply(family.base_pipeline(), path)
     pipe.set_progress_bar_config(disable=True)
     diffs = []
     for spec, png in refs:
@@ -211,7 +208,39 @@ def verify_export(
         passed=max_diff <= tolerance,
         # Named within the run folder: the record travels with the exports.
         files=[p.relative_to(run.root).as_posix() for _, p in refs],
+        notes=notes,
     )
+
+
+def _references(
+    run: RunDir, quantized: str, step: int
+) -> tuple[list[tuple[ImageSpec, Path]], list[str]]:
+    """The images an export must reproduce, and what to say about them.
+
+    Those training drew at `step`, else the kit's own redraw of that checkpoint. A run trained
+    on a quantized base (`base_quantization`) drew its validation images on that base, while a
+    client loads the export on the full-precision one; its references are always the redraw,
+    which puts the checkpoint's adapter on the unquantized base, and the note says how far the
+    images training drew are from them.
+    """
+    trained = reference_images(run, step)
+    if quantized == "none":
+        return trained or _draw_references(run, step), []
+    redrawn = _draw_references(run, step)
+    note = (
+        f"the base was stored {quantized} in training: compared with the kit's images of this "
+        "checkpoint on the unquantized base, which clients load the export on"
+    )
+    by_name = {png.name: png for _, png in trained}
+    pairs = [(by_name[png.name], png) for _, png in redrawn if png.name in by_name]
+    if pairs:
+        gap = max(int(np.abs(_pixels(a) - _pixels(b)).max()) for a, b in pairs)
+        note += f"; the validation images training drew differ from those by up to {gap}"
+    return redrawn, [note]
+
+
+def _pixels(png: Path) -> np.ndarray:
+    return np.asarray(Image.open(png).convert("RGB"), dtype=np.int16)
 
 
 def describe(path: str | Path) -> dict[str, Any]:

@@ -47,6 +47,7 @@ _SHARED = {
     "ldm",
     "loading",
     "noise",
+    "quantize",
     "sd3_layout",
     "shipped",
     "tiny",

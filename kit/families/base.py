@@ -18,8 +18,18 @@ from torch import nn
 from kit.config import Config
 from kit.errors import KitError
 from kit.families import kohya, ldm
-from kit.families.identity import fingerprint, part_config, tokenizer_identity, weights_identity
+from kit.families.identity import (
+    DtypeSpec,
+    PartSource,
+    base_identity,
+    check_layout,
+    model_source,
+    pipeline_parts,
+    require_tokenizers,
+    single_file,
+)
 from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
+from kit.families.shipped import SHIPPED
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -39,6 +49,9 @@ class Components:
     source: str
     identity: dict[str, str] = field(default_factory=dict)
     """Part name → a fingerprint of its weights, used to key caches."""
+    subfolders: dict[str, str] = field(default_factory=dict)
+    """Each loaded module's diffusers subfolder, which is also its pipeline argument's name:
+    `denoiser`, `vae`, and `text_encoders.<i>` → e.g. `unet`, `vae`, `text_encoder_2`."""
 
     def frozen_modules(self) -> list[nn.Module]:
         """Every loaded module of the base model."""
@@ -190,10 +203,32 @@ class Family(ABC):
         """The most frames (≤ available) a clip of this family may have; video families override."""
         return available
 
+    def swap_blocks(self, denoiser: nn.Module) -> list[nn.Module]:
+        """The denoiser's transformer blocks in the order its forward runs them: what
+        `blocks_to_swap` may keep in CPU memory (`kit.train.offload`).
+
+        Swapping pays where most weights sit in a long stack of blocks that each run once per
+        pass; the SD UNets are small enough to fit whole and are not split, so the default
+        refuses, naming the family.
+        """
+        raise KitError(
+            f"blocks_to_swap: the {self.name} denoiser has no stack of transformer blocks to swap "
+            "(only the transformer families are block-swapped); set blocks_to_swap: 0"
+        )
+
     # ------------------------------------------------------------ loading
 
     text_subfolders: tuple[str, ...] = ("text_encoder",)
     """Subfolders of the text encoders whose embeddings are cached."""
+    quantized_text_encoders: tuple[str, ...] = ()
+    """Subfolders of the text encoders that `base_quantization` stores quantized too, beside
+    the denoiser: the T5s, large and only ever read frozen (the CLIPs are small)."""
+    single_file_markers: tuple[str, ...] = ()
+    """Key endings that every single-file checkpoint of this family's denoiser has."""
+    single_file_excludes: tuple[str, ...] = ()
+    """Key endings that show a file holds another family's denoiser (SDXL's among SD files)."""
+    file_text_prefixes: tuple[str, ...] = ()
+    """Key prefix of each text encoder (in `load`'s order) in a whole checkpoint file."""
 
     @abstractmethod
     def load(
@@ -202,13 +237,44 @@ class Family(ABC):
         *,
         revision: str | None = None,
         variant: str | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: DtypeSpec = torch.float32,
         parts: tuple[str, ...] = PARTS,
     ) -> Components:
-        """Load the base model's parts with diffusers / transformers `from_pretrained`.
+        """Load the base model's parts with diffusers / transformers `from_pretrained`, or from
+        one checkpoint file with diffusers' single-file converters (`model_source`).
 
         Only the `parts` named (of `PARTS`) are loaded; the others are None (or no encoders).
+        Each loads straight in its dtype (`part_dtype`), never in fp32 first.
         """
+
+    def model_source(self, pretrained: str, tokenizers: tuple[str, ...] = ()) -> str:
+        """Where the configs, tokenizers, scheduler and any part a single file lacks are read:
+        `pretrained` itself, or for one file the configured `model_config` (empty: the config
+        the kit ships for this family's base), refused if it lacks the `tokenizers` folders."""
+        source = model_source(pretrained, self.cfg.model.model_config, SHIPPED.get(self.hub_id, ""))
+        if single_file(pretrained) and tokenizers:
+            check_layout(pretrained, self)  # a file of another model is the first thing to say
+            require_tokenizers(source, pretrained, tokenizers)
+        return source
+
+    def base_pipeline(self, dtype: torch.dtype = torch.float32) -> Any:
+        """The configured base as a plain diffusers pipeline in `dtype`, whatever its source:
+        `from_pretrained` of its folder or hub id, with the single file's parts (and
+        `vae_model`) passed in, as a diffusers user would build it."""
+        import diffusers
+
+        m = self.cfg.model
+        wanted = PARTS if single_file(m.pretrained_model) else ("vae",) if m.vae_model else ()
+        loaded = wanted and self.load(
+            m.pretrained_model, revision=m.revision, variant=m.variant, dtype=dtype, parts=wanted
+        )
+        return getattr(diffusers, self.pipeline_class).from_pretrained(
+            self.model_source(m.pretrained_model),
+            revision=m.revision,
+            variant=m.variant,
+            dtype=dtype,
+            **{**self.pipeline_kwargs, **pipeline_parts(loaded)},
+        )
 
     def load_parts(
         self,
@@ -217,7 +283,7 @@ class Family(ABC):
         *,
         revision: str | None,
         variant: str | None,
-        dtype: torch.dtype,
+        dtype: DtypeSpec,
         denoiser: tuple[Any, str],
         vae: tuple[Any, str],
         encoders: list[tuple[Any, str]],
@@ -227,47 +293,39 @@ class Family(ABC):
         """Components with only `parts` loaded, each frozen; what `load` does in every family.
 
         `denoiser`, `vae` and each of `encoders` are (class, subfolder): diffusers classes take
-        the dtype as `torch_dtype`, transformers classes as `dtype`.
+        the dtype as `torch_dtype`, transformers classes as `dtype`. A single-file base gives
+        each part it holds through diffusers' converters, the rest from `model_source`;
+        `vae_model` replaces the VAE.
         """
-
-        def one(spec: tuple[Any, str]) -> Any:
-            cls, subfolder = spec
-            key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
-            return cls.from_pretrained(
-                pretrained, subfolder=subfolder, revision=revision, variant=variant, **{key: dtype}
-            )
-
-        text = [one(e) for e in encoders] if "text_encoders" in parts else []
-        model = one(denoiser) if "denoiser" in parts else None
-        autoencoder = one(vae) if "vae" in parts else None
+        src = PartSource(pretrained, self, revision=revision, variant=variant, needed=bool(parts))
+        prefixes = [*self.file_text_prefixes, *[None] * len(encoders)]
+        text = [
+            src.read(cls, sub, sub, prefix, dtype)
+            for (cls, sub), prefix in zip(encoders, prefixes, strict=False)
+            if "text_encoders" in parts
+        ]
+        model = src.read(*denoiser, "denoiser", "denoiser", dtype) if "denoiser" in parts else None
+        autoencoder = src.read(*vae, "vae", "vae", dtype) if "vae" in parts else None
         frozen(*text, autoencoder, model)
+        names = {"denoiser": denoiser[1], "vae": vae[1]}
+        names.update({f"text_encoders.{i}": sub for i, (_, sub) in enumerate(encoders)})
+        identity = self.identity(pretrained, revision)
         return Components(
-            model,
-            autoencoder,
-            text,
-            tokenizers,
-            scheduler,
-            pretrained,
-            self.identity(pretrained, revision),
+            model, autoencoder, text, tokenizers, scheduler, src.source, identity, names
         )
 
     def identity(self, pretrained: str, revision: str | None = None) -> dict[str, str]:
         """Fingerprints that key the caches, read from configs without loading any weights.
 
         `vae`: the VAE; `text`: the text encoders, their tokenizers and what else shapes the
-        cached embeddings (`identity_extras`).
+        cached embeddings (`identity_extras`). A single file adds its content hash to every
+        part; `vae_model` is the VAE's fingerprint.
         """
-        text = [
-            weights_identity(pretrained, sub, part_config(pretrained, sub, revision), revision)
-            for sub in self.text_subfolders
-        ]
-        extras = self.identity_extras(pretrained, revision)
-        return {
-            "vae": weights_identity(
-                pretrained, "vae", part_config(pretrained, "vae", revision), revision
-            ),
-            "text": fingerprint([text, tokenizer_identity(pretrained, revision), extras]),
-        }
+        source = self.model_source(pretrained)
+        extras = self.identity_extras(source, revision)
+        return base_identity(
+            pretrained, source, self.text_subfolders, revision, extras, self.cfg.model.vae_model
+        )
 
     def identity_extras(self, pretrained: str, revision: str | None) -> Any:
         """Settings besides the encoders that change cached text embeddings (e.g. a T5 length)."""
@@ -409,6 +467,7 @@ class Family(ABC):
         """
         from accelerate import init_empty_weights
 
+        pretrained = self.model_source(pretrained)
         configs = [
             (cls, cls.load_config(pretrained, subfolder=sub)) for cls, sub in (denoiser, vae)
         ]

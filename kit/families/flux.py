@@ -104,7 +104,7 @@ class Flux(Family):
         return self.transformer_file_pipeline("FluxTransformer2DModel", path, config_source)
 
     def version_metadata(self) -> dict[str, str]:
-        source = config_source(self.cfg.model.pretrained_model)
+        source = config_source(self.model_source(self.cfg.model.pretrained_model))
         dev = part_config(source, "transformer").get("guidance_embeds", True)
         return {
             **super().version_metadata(),
@@ -134,6 +134,10 @@ class Flux(Family):
     # ------------------------------------------------------------ loading
 
     text_subfolders = ("text_encoder", "text_encoder_2")
+    quantized_text_encoders = ("text_encoder_2",)  # T5-XXL
+    # BFL's transformer file (ComfyUI's diffusion_models); all-in-one files add the encoders.
+    single_file_markers = ("double_blocks.0.img_attn.qkv.weight",)
+    file_text_prefixes = ("text_encoders.clip_l.", "text_encoders.t5xxl.")
 
     def identity_extras(self, pretrained, revision):
         # The T5 length changes the cached embeddings, so it is part of their key.
@@ -156,7 +160,7 @@ class Flux(Family):
             encoders=[(CLIPTextModel, "text_encoder"), (T5EncoderModel, "text_encoder_2")],
             tokenizers=list(self._tokenizers(pretrained, revision).values()),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                pretrained, subfolder="scheduler", revision=revision
+                self.model_source(pretrained), subfolder="scheduler", revision=revision
             ),
         )
 
@@ -166,12 +170,13 @@ class Flux(Family):
     def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
         from transformers import CLIPTokenizer, T5TokenizerFast
 
+        source = self.model_source(pretrained, ("tokenizer", "tokenizer_2"))
         return {
             "text_encoder": CLIPTokenizer.from_pretrained(
-                pretrained, subfolder="tokenizer", revision=revision
+                source, subfolder="tokenizer", revision=revision
             ),
             "text_encoder_2": T5TokenizerFast.from_pretrained(
-                pretrained, subfolder="tokenizer_2", revision=revision
+                source, subfolder="tokenizer_2", revision=revision
             ),
         }
 
@@ -241,6 +246,10 @@ class Flux(Family):
         )
         out = transformer(**kwargs, return_dict=False)[0]
         return unpack_latents(out, noisy.shape[-2], noisy.shape[-1])
+
+    def swap_blocks(self, denoiser):
+        # The double-stream blocks run first, then the single-stream ones.
+        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
 
     # ------------------------------------------------------------ sampling
 

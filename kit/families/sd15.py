@@ -25,11 +25,16 @@ class SD15(Family):
     pipeline_class = "StableDiffusionPipeline"
     default_guidance_scale = 7.5  # StableDiffusionPipeline's default
     pipeline_kwargs = {"safety_checker": None, "requires_safety_checker": False}
+    # A1111 / ComfyUI checkpoints of SD 1.x and 2.x: the UNet's first convolution, and no
+    # SDXL size embedding; one text encoder (OpenAI CLIP or OpenCLIP) under one prefix.
+    single_file_markers = ("diffusion_model.input_blocks.0.0.weight",)
+    single_file_excludes = ("diffusion_model.label_emb.0.0.weight",)
+    file_text_prefixes = ("cond_stage_model.",)
 
     def version_metadata(self) -> dict[str, str]:
         # SD 2.x shares this layout: told apart by its OpenCLIP text encoder and, for the 768
         # models, v-prediction; kohya's values, so A1111 lists the file under SD2.
-        source = config_source(self.cfg.model.pretrained_model)
+        source = config_source(self.model_source(self.cfg.model.pretrained_model))
         v2 = ldm.open_clip_text(part_config(source, "text_encoder"))
         prediction = saved_scheduler(source, "DDPMScheduler").config.prediction_type
         v_pred = prediction == "v_prediction"
@@ -52,12 +57,9 @@ class SD15(Family):
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
-        tokenizer = CLIPTokenizer.from_pretrained(
-            pretrained, subfolder="tokenizer", revision=revision
-        )
-        scheduler = DDPMScheduler.from_pretrained(
-            pretrained, subfolder="scheduler", revision=revision
-        )
+        source = self.model_source(pretrained, ("tokenizer",))
+        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
         return self.load_parts(
             pretrained,
             parts,
@@ -96,7 +98,8 @@ class SD15(Family):
     def load_tokenizers(self, pretrained):
         from transformers import CLIPTokenizer
 
-        return {"text_encoder": CLIPTokenizer.from_pretrained(pretrained, subfolder="tokenizer")}
+        source = self.model_source(pretrained, ("tokenizer",))
+        return {"text_encoder": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer")}
 
     def noise_and_target(self, comps, latents, generator):
         return self.ddpm_draw(comps, latents, generator)

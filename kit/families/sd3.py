@@ -48,6 +48,7 @@ class SD3(Family):
     # layout of the kohya file.
     export_formats = ("diffusers", "kohya")
     kohya_dora = False
+    quantized_text_encoders = (T5_ENCODER,)
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
@@ -65,6 +66,15 @@ class SD3(Family):
         return self.cfg.model.max_sequence_length or DEFAULT_T5_TOKENS
 
     # ------------------------------------------------------------ loading
+
+    # The MMDiT alone (as ComfyUI's diffusion_models hold it) or Stability's whole checkpoint,
+    # which keeps the encoders under `text_encoders.*`.
+    single_file_markers = ("joint_blocks.0.context_block.adaLN_modulation.1.bias",)
+    file_text_prefixes = (
+        "text_encoders.clip_l.",
+        "text_encoders.clip_g.",
+        "text_encoders.t5xxl.",
+    )
 
     @property
     def text_subfolders(self) -> tuple[str, ...]:
@@ -97,7 +107,7 @@ class SD3(Family):
             encoders=encoders,
             tokenizers=list(self._tokenizers(pretrained, revision).values()),
             scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                pretrained, subfolder="scheduler", revision=revision
+                self.model_source(pretrained), subfolder="scheduler", revision=revision
             ),
         )
 
@@ -108,13 +118,15 @@ class SD3(Family):
         """Encoder name → tokenizer, T5's only when T5 is used."""
         from transformers import CLIPTokenizer, T5TokenizerFast
 
+        names = ("tokenizer", "tokenizer_2", "tokenizer_3")[: 3 if self.use_t5 else 2]
+        source = self.model_source(pretrained, names)
         out: dict[str, Any] = {
-            enc: CLIPTokenizer.from_pretrained(pretrained, subfolder=tok, revision=revision)
-            for enc, tok in zip(CLIP_ENCODERS, ("tokenizer", "tokenizer_2"), strict=True)
+            enc: CLIPTokenizer.from_pretrained(source, subfolder=tok, revision=revision)
+            for enc, tok in zip(CLIP_ENCODERS, names, strict=False)
         }
         if self.use_t5:
             out[T5_ENCODER] = T5TokenizerFast.from_pretrained(
-                pretrained, subfolder="tokenizer_3", revision=revision
+                source, subfolder="tokenizer_3", revision=revision
             )
         return out
 
@@ -160,6 +172,9 @@ class SD3(Family):
             encoder_hidden_states=cond["prompt_embeds"],
             pooled_projections=cond["pooled_prompt_embeds"],
         ).sample
+
+    def swap_blocks(self, denoiser):
+        return list(denoiser.transformer_blocks)
 
     # ------------------------------------------------------------ sampling
 

@@ -50,6 +50,10 @@ class SDXL(Family):
     pipeline_kwargs = {"add_watermarker": False}
 
     text_subfolders = ("text_encoder", "text_encoder_2")
+    # A1111 / ComfyUI SDXL checkpoints: the UNet with its size embedding, the two encoders each
+    # under its own prefix (told apart by prefix, not width).
+    single_file_markers = ("diffusion_model.input_blocks.0.0.weight", "label_emb.0.0.weight")
+    file_text_prefixes = ("conditioner.embedders.0.", "conditioner.embedders.1.")
 
     def version_metadata(self) -> dict[str, str]:
         return {**super().version_metadata(), "modelspec.prediction_type": "epsilon"}
@@ -58,7 +62,8 @@ class SDXL(Family):
         # kohya's SDXL scripts, and LyCORIS on them, name UNet modules as Stability's code does
         # (`input_blocks.4.1…`), not by diffusers' names.
         if not hasattr(self, "_ldm_names"):
-            unet = part_config(config_source(self.cfg.model.pretrained_model), "unet")
+            source = self.model_source(self.cfg.model.pretrained_model)
+            unet = part_config(config_source(source), "unet")
             self._ldm_names = ldm.unet_module_names(unet)
         return self._ldm_names[module]
 
@@ -69,9 +74,8 @@ class SDXL(Family):
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
         # Training noise comes from a DDPM schedule built from the sampler's config.
-        scheduler = DDPMScheduler.from_pretrained(
-            pretrained, subfolder="scheduler", revision=revision
-        )
+        source = self.model_source(pretrained)
+        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
         comps = self.load_parts(
             pretrained,
             parts,
@@ -97,8 +101,9 @@ class SDXL(Family):
     def _tokenizers(self, pretrained: str, revision: str | None = None) -> dict[str, Any]:
         from transformers import CLIPTokenizer
 
+        source = self.model_source(pretrained, ("tokenizer", "tokenizer_2"))
         return {
-            enc: CLIPTokenizer.from_pretrained(pretrained, subfolder=sub, revision=revision)
+            enc: CLIPTokenizer.from_pretrained(source, subfolder=sub, revision=revision)
             for enc, sub in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
         }
 

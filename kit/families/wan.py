@@ -37,6 +37,7 @@ class Wan(Family):
     # ComfyUI reads Wan LoRA only under the original module names (`blocks.0.self_attn.q`), as
     # musubi-tuner writes them: the kohya file; diffusers reads the diffusers one.
     export_formats = ("diffusers", "kohya")
+    quantized_text_encoders = ("text_encoder",)  # UMT5-XXL, a T5
     base_model_version = "wan2.1"
     modelspec_architecture = "wan2.1"  # musubi-tuner's value
     modelspec_implementation = "https://github.com/Wan-Video/Wan2.1"
@@ -52,6 +53,9 @@ class Wan(Family):
         return (available - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1 if available > 0 else 0
 
     # ------------------------------------------------------------ loading
+
+    # The transformer alone in Wan's own layout, as ComfyUI's diffusion_models hold it.
+    single_file_markers = ("blocks.0.self_attn.q.weight",)
 
     def identity_extras(self, pretrained, revision):
         # Cached embeddings are padded to the sequence length, so it is part of their key.
@@ -103,14 +107,15 @@ class Wan(Family):
     def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(pretrained, subfolder="tokenizer", revision=revision)
+        source = self.model_source(pretrained, ("tokenizer",))
+        return AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
 
     def _training_scheduler(self, pretrained: str, revision: str | None) -> Any:
         """Flow matching with the configured shift, else the saved sampler's (Wan ships UniPC)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         saved = FlowMatchEulerDiscreteScheduler.load_config(
-            pretrained, subfolder="scheduler", revision=revision
+            self.model_source(pretrained), subfolder="scheduler", revision=revision
         )
         shift = (
             self.cfg.objective.flow_shift or saved.get("shift") or saved.get("flow_shift") or 1.0
@@ -163,6 +168,9 @@ class Wan(Family):
             encoder_hidden_states=cond["prompt_embeds"],
             return_dict=False,
         )[0]
+
+    def swap_blocks(self, denoiser):
+        return list(denoiser.blocks)
 
     # ------------------------------------------------------------ sampling
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,45 @@ def _ram_gib() -> float | None:
         return None
 
 
+def peak_rss_gib() -> float | None:
+    """The most host memory this process has held so far, in GiB.
+
+    Loading a base model is what peaks: a real one needs its size in RAM on the way to the GPU
+    (and twice that if it were read in fp32 and then cast), which is what runs out on Colab.
+    """
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux counts kibibytes, macOS bytes.
+        return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 2)
+    except (ImportError, OSError, ValueError):
+        try:
+            import psutil
+
+            info = psutil.Process().memory_info()
+            return round(getattr(info, "peak_wset", info.rss) / 2**30, 2)
+        except (ImportError, OSError):
+            return None
+
+
+def host_memory() -> dict[str, float | None]:
+    """The machine's RAM (total and available now) and this process's peak use, in GiB."""
+    out: dict[str, float | None] = {"total_gib": _ram_gib(), "available_gib": None}
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        out = {
+            "total_gib": round(vm.total / 2**30, 1),
+            "available_gib": round(vm.available / 2**30, 1),
+        }
+    except ImportError:
+        pass
+    out["peak_rss_gib"] = peak_rss_gib()
+    return out
+
+
 def in_colab() -> bool:
     """True inside Google Colab."""
     return colab.in_colab() or "COLAB_RELEASE_TAG" in os.environ
@@ -85,6 +125,7 @@ def report(path: str | Path = ".") -> dict[str, Any]:
         "versions": versions(),
         "devices": devices(),
         "disk_free_gib": round(free / 2**30, 1),
+        "memory": host_memory(),
         "colab": in_colab(),
         "platform": platform.platform(),
     }
@@ -103,8 +144,26 @@ def advice(rep: dict[str, Any]) -> list[str]:
         )
     elif not dev["bf16"]:
         notes.append(f"{dev['name']} lacks bf16: use mixed_precision=fp16")
+    available = rep.get("memory", {}).get("available_gib")
+    if available is not None and available < 8:
+        notes.append(
+            f"only {available} GiB RAM available: a real SDXL or larger base needs several GiB "
+            "of host memory while it loads (a single-file base about its file size)"
+        )
     if rep["disk_free_gib"] < 10:
         notes.append(
             f"only {rep['disk_free_gib']} GiB free disk: real checkpoints need several GiB"
         )
-    return notes or ["ready"]
+    return (notes or ["ready"]) + ([_memory_line(rep["memory"])] if "memory" in rep else [])
+
+
+def _memory_line(mem: dict[str, float | None]) -> str:
+    """Host RAM in one line, as `kit env` and notebook 00 show it."""
+
+    def gib(v: float | None) -> str:
+        return "?" if v is None else f"{v:g} GiB"
+
+    return (
+        f"host RAM: {gib(mem.get('total_gib'))} total, {gib(mem.get('available_gib'))} "
+        f"available; this process peaked at {gib(mem.get('peak_rss_gib'))}"
+    )

@@ -6,6 +6,7 @@ import contextlib
 from dataclasses import replace
 from pathlib import Path
 
+from kit.families import quantize as quant
 from kit.families.loading import load_base
 from kit.sample.validate import image_specs, run_validation
 from kit.train.state import TrainState
@@ -18,9 +19,12 @@ def validate(s: TrainState, step: int) -> Path:
     swap = s.ema.swapped_in(s.params) if s.ema is not None else contextlib.nullcontext()
     if comps.missing_parts():
         # Trained from a full cache: the encoders load now, for sampling only.
-        _, rest = load_base(cfg, parts=comps.missing_parts(), family=s.family)
+        # Loaded straight in the dtype they draw in, never in fp32 first.
+        _, rest = load_base(cfg, dtype=s.weight_dtype, parts=comps.missing_parts(), family=s.family)
         for m in rest.frozen_modules():
             m.to(s.device, dtype=s.weight_dtype)
+        # Quantized as training's own encoders would have been, had they been loaded.
+        quant.quantize_text_encoders(s.family, rest, cfg.model.base_quantization, device=s.device)
         comps.take_parts(rest)
     bare = s.accelerator.unwrap_model
     pipe = s.family.pipeline(

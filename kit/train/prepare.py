@@ -16,6 +16,7 @@ from kit.data.cache import CachedDataset, fill_cache, plan_cache
 from kit.data.scan import ScanReport, check_dataset
 from kit.errors import KitError
 from kit.families import Family, get_family
+from kit.families import quantize as quant
 from kit.families.loading import load_base
 from kit.io import write_text
 from kit.methods import get_method
@@ -27,6 +28,7 @@ from kit.sample.validate import default_prompts
 from kit.train.accel import deepspeed_launch, make_accelerator
 from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss
+from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
 from kit.train.state import Callback, TrainResult, TrainState
 
@@ -50,6 +52,14 @@ def prepare(
     accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)
     device = accelerator.device
     weight_dtype = torch_dtype(precision)  # the frozen base's; trained weights stay fp32
+    kind = cfg.model.base_quantization  # the frozen base stored quantized, or "none"
+    quant.check_quantization(
+        kind,
+        device,
+        network_type=method.name,
+        whole_denoiser=method.whole_denoiser,
+        deepspeed=deepspeed_launch(),
+    )
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     refuse_mixed_runs(run, resume, overwrite)
@@ -71,18 +81,47 @@ def prepare(
         scanned=scanned,
     )
     holdout = _holdout(cfg, identity, text_dtype, family)
-    _, comps = load_base(cfg, parts=_parts_needed(method, data, holdout), family=family)
+    # Frozen parts load straight in the half dtype they run in, never in fp32 first; what
+    # trains whole, and the VAE that encodes the cache, load in fp32 (see below).
+    dtypes = {"*": weight_dtype, "vae": torch.float32}
+    for i in method.trained_text_encoders():
+        dtypes[family.text_subfolders[i]] = torch.float32
+    if method.whole_denoiser:
+        dtypes["denoiser"] = torch.float32
+    parts = _parts_needed(method, data, holdout)
+    _, comps = load_base(cfg, dtype=dtypes, parts=parts, family=family)
+    swapped = check_block_swap(cfg, family, method, comps.denoiser)  # refused before caching
     # What trains whole stays fp32 (diffusers' examples do the same): a trained text encoder,
     # a fully trained denoiser. The VAE encodes the cache in fp32 (fill_cache), then joins the
     # frozen parts in the half dtype; the pipelines upcast it to decode when its config asks.
     keep = [comps.text_encoders[i] for i in method.trained_text_encoders()]
     if method.whole_denoiser:
         keep.append(comps.denoiser)
+    # The cache fills with only the encoders and the VAE on the device; the denoiser, the
+    # largest part, joins them afterwards, so the setup never holds both.
     for m in comps.frozen_modules():
-        m.to(device, dtype=None if any(m is k for k in keep) or m is comps.vae else weight_dtype)
+        if m is not comps.denoiser:
+            m.to(
+                device, dtype=None if any(m is k for k in keep) or m is comps.vae else weight_dtype
+            )
     fill_cache(data, cfg, family, comps, device)
     if holdout is not None:
         fill_cache(holdout, cfg, family, comps, device)
+    # Layer by layer on the device: a quantized denoiser is never there whole in full precision.
+    quantized = {
+        "denoiser": quant.quantize(comps.denoiser, kind, device=device, dtype=weight_dtype)
+    }
+    if swapped:
+        # The swapped blocks' weights stay in CPU memory from the start.
+        place(comps.denoiser, swapped, t.blocks_to_swap, device, weight_dtype)
+    else:
+        comps.denoiser.to(device, dtype=None if method.whole_denoiser else weight_dtype)
+    # The T5 once the cache is filled: cached embeddings stay the full-precision encoder's,
+    # as an unquantized run (whose cache key is the same) computes them.
+    quantized.update(quant.quantize_text_encoders(family, comps, kind, device=device))
+    for part, q in quantized.items():
+        if q.layers:
+            accelerator.print(q.describe(part))
     if comps.vae is not None:
         comps.vae.to(dtype=weight_dtype)
     report = _data_report(scanned, data)
@@ -102,8 +141,11 @@ def prepare(
     comps.denoiser.train()
     optimizer = make_optimizer(groups, t)
     scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
+    # Before accelerate: the swap keeps its stored weights in CPU memory, and accelerate is
+    # told to leave a swapped denoiser where it is.
+    swap = block_swap(cfg, family, method, comps.denoiser, device)
     trained, optimizer, scheduler = _prepare_trained(
-        accelerator, method, comps, optimizer, scheduler
+        accelerator, method, comps, optimizer, scheduler, keep_placement=swap is not None
     )
     ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
     # Saved in checkpoints; batches draw from streams of their own.
@@ -167,7 +209,12 @@ def _refuse_deepspeed_with_several_models(method: Any) -> None:
 
 
 def _prepare_trained(
-    accelerator: Any, method: Any, comps: Any, optimizer: Any, scheduler: Any
+    accelerator: Any,
+    method: Any,
+    comps: Any,
+    optimizer: Any,
+    scheduler: Any,
+    keep_placement: bool = False,
 ) -> tuple[list[Any], Any, Any]:
     """Give accelerate the modules that hold trained parameters (and the optimizer and schedule),
     so that their gradients are averaged across processes: the trained modules as wrapped, the
@@ -180,7 +227,11 @@ def _prepare_trained(
         comps.text_encoders[i] for i in encoders
     ]
     # Under DeepSpeed too accelerate steps this schedule (the engine steps only its own kinds).
-    *wrapped, optimizer, scheduler = accelerator.prepare(*models, optimizer, scheduler)
+    # A block-swapped denoiser is already where it must be: accelerate would move it whole.
+    placement = [not (keep_placement and m is comps.denoiser) for m in models] + [True, True]
+    *wrapped, optimizer, scheduler = accelerator.prepare(
+        *models, optimizer, scheduler, device_placement=placement
+    )
     if method.trains_denoiser:
         comps.denoiser = wrapped[0]
     for i, m in zip(encoders, wrapped[len(wrapped) - len(encoders) :], strict=True):
