@@ -159,17 +159,8 @@ def test_advice_for_sdxl_1024_on_a_12gb_card_fits_by_the_estimate():
     rows = advise(cfg, GPUS[card], card=card)
     assert rows
     for r in rows:
-        s = r["settings"]
-        again = estimate(
-            cfg,
-            resolution=s["resolution"],
-            batch_size=s["batch_size"],
-            gradient_accumulation_steps=s["gradient_accumulation_steps"],
-            gradient_checkpointing=s["gradient_checkpointing"],
-            mixed_precision=s["mixed_precision"],
-            optimizer=s["optimizer"],
-            unload_encoders=s["unload_encoders"],
-        )
+        # Each row is config keys: applied to the config, the estimate is the row's.
+        again = estimate(cfg.replace(**r["set"]))
         assert again.fits(GPUS[card]) and again.total_bytes == r["estimate"].total_bytes
 
 

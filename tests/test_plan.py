@@ -118,3 +118,30 @@ def test_training_prompts_carry_the_trigger_when_some_captions_do():
     captions = ["a red circle on white", "a zorbic square", "a large zorbic circle on black"]
     assert _prompts(captions, "zorbic", "character")["training"] == captions[1:]
     assert _prompts(captions[:1], "zorbic", "character")["training"] == captions[:1]
+
+
+def test_a_base_too_large_for_the_card_is_planned_quantized_or_swapped(dataset, tmp_path):
+    """Flux.1 dev on a 24 GB card: no batch fits in bf16, so the plan takes the advice's
+    cheapest storage settings, and its config loads and fits by the estimate."""
+    from kit.preflight.estimate import GPUS, estimate
+
+    card = "RTX 4090 24GB"
+    p = plan(
+        dataset,
+        "character",
+        family="flux",
+        pretrained_model="black-forest-labs/FLUX.1-dev",
+        gpu=card,
+        output_dir=str(tmp_path / "run"),
+    )
+    t = p.config.train
+    assert t.train_batch_size == 1 and t.gradient_accumulation_steps == 8
+    storage = {
+        "base_quantization": p.config.model.base_quantization,
+        "blocks_to_swap": t.blocks_to_swap,
+    }
+    assert storage != {"base_quantization": "none", "blocks_to_swap": 0}
+    reason = _reason(p, "train_batch_size")
+    assert f"more than {card}'s" in reason and "fits (" in reason, reason
+    path = p.save(tmp_path / "planned.json")
+    assert estimate(load_config(path)).fits(GPUS[card])

@@ -1,8 +1,10 @@
 """VRAM estimate: peak training memory by component, from one traced step and arithmetic.
 
 `trace` (kit.preflight.trace) runs the configured step on the meta device; weights, gradients,
-optimizer state and EMA follow from the trained parameters' shapes. Traces are remembered in
-this process and on disk, keyed by what they depend on.
+optimizer state and EMA follow from the trained parameters' shapes, and a quantized base or
+swapped blocks from the trace's inventory of the frozen weights (kit.preflight.storage). Host RAM
+is estimated beside VRAM, since a base that fits the card can still overflow the machine while it
+loads. Traces are remembered in this process and on disk, keyed by what they depend on.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 
 from kit.config import Config
 from kit.data.buckets import assign_bucket, make_buckets
-from kit.families import get_family
+from kit.families import Family, get_family
 from kit.families.identity import fingerprint
 from kit.families.shipped import config_source
-from kit.methods import get_method
+from kit.methods import Method, get_method
+from kit.preflight.storage import check_quant, check_swap, stored, swap_plan
 from kit.preflight.trace import Shape, trace
 
 GIB = 2**30
@@ -28,6 +31,7 @@ GIB = 2**30
 GPUS = {
     "T4 16GB": 14.6,
     "RTX 3060 12GB": 11.7,
+    "RTX 4080 16GB": 15.6,
     "RTX 4090 24GB": 23.6,
     "L4 24GB": 22.0,
     "A100 40GB": 39.4,
@@ -37,24 +41,61 @@ GPUS = {
 NO_BF16 = {"T4 16GB"}  # cards without bf16: mixed precision there means fp16
 CUDA_CONTEXT = int(0.45 * GIB)  # CUDA context and kernels, outside PyTorch's allocator
 ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share of the peak
-VERSION = 2  # bump when the trace changes: keys the on-disk cache
+HOST_PROCESS = int(2.5 * GIB)  # Python, PyTorch and the CUDA libraries in host memory
+VERSION = 5  # bump when the trace changes: keys the on-disk cache
+
+PERSISTENT = ("_weights", "swap_buffers", "trainable_weights", "optimizer_state", "ema")
+"""Endings of the components that stay through the whole run."""
 
 # ---------------------------------------------------------------- the result
 
 
 @dataclass
 class Estimate:
-    """Peak training memory by component, in bytes; the components add up to the total."""
+    """Peak memory of a training step by component, in bytes (the components add up to the
+    total), with the setup before the first step (`setup_bytes`) and host RAM (`host`)."""
 
     components: dict[str, int]
     settings: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     """Finer breakdowns: activations by module group, frozen weights by dtype, peak phase."""
+    host: dict[str, int] = field(default_factory=dict)
+    """Peak host RAM by component, in bytes: the process, and either the base as it loads or
+    (when larger) what stays in training: swapped blocks, batches read from the cache, an EMA
+    kept on the CPU. The components of the other phase are 0."""
 
     @property
     def total_bytes(self) -> int:
         return sum(self.components.values())
+
+    @property
+    def setup_bytes(self) -> int:
+        """GPU memory while the cache fills, before the first step (see `details["setup"]`)."""
+        return int(self.details.get("setup_bytes", 0))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The run's peak: the step's, or the setup's where that is larger."""
+        return max(self.total_bytes, self.setup_bytes)
+
+    @property
+    def floor_bytes(self) -> int:
+        """What no smaller batch, checkpointing or resolution brings the peak below: the
+        setup, and what the step keeps whatever the image size and batch (weights, swap
+        buffers, trained weights, optimizer state, EMA, the CUDA context)."""
+        c = self.components
+        kept = c.get("cuda_context", 0) + sum(v for k, v in c.items() if k.endswith(PERSISTENT))
+        return max(kept, self.setup_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        """Peak host RAM: the sum of `host`."""
+        return sum(self.host.values())
+
+    def fits_host(self, ram_gib: float) -> bool:
+        """True when the host RAM peak is within `ram_gib`."""
+        return self.host_bytes <= ram_gib * GIB
 
     @property
     def allocated_bytes(self) -> int:
@@ -63,8 +104,8 @@ class Estimate:
         return self.total_bytes - c.get("allocator_reserve", 0) - c.get("cuda_context", 0)
 
     def fits(self, budget_gib: float) -> bool:
-        """True when the peak is within `budget_gib`."""
-        return self.total_bytes <= budget_gib * GIB
+        """True when the run's peak (the step's, or the setup's) is within `budget_gib`."""
+        return self.peak_bytes <= budget_gib * GIB
 
     def cards(self) -> list[dict[str, Any]]:
         """One row per common card: its memory, whether the run fits, and the headroom."""
@@ -73,7 +114,7 @@ class Estimate:
                 "card": name,
                 "GiB": gib,
                 "fits": self.fits(gib),
-                "headroom_gib": round(gib - self.total_bytes / GIB, 2),
+                "headroom_gib": round(gib - self.peak_bytes / GIB, 2),
             }
             for name, gib in GPUS.items()
         ]
@@ -84,7 +125,12 @@ class Estimate:
             "total_bytes": self.total_bytes,
             "total_gib": round(self.total_bytes / GIB, 3),
             "allocated_bytes": self.allocated_bytes,
+            "setup_bytes": self.setup_bytes,
+            "peak_bytes": self.peak_bytes,
             "components": dict(self.components),
+            "host_ram_bytes": self.host_bytes,
+            "host_ram_gib": round(self.host_bytes / GIB, 3),
+            "host_ram": dict(self.host),
             "details": self.details,
             "settings": self.settings,
             "fits": {name: self.fits(gib) for name, gib in GPUS.items()},
@@ -177,43 +223,90 @@ def estimate(
     mixed_precision: str | None = None,
     optimizer: str | None = None,
     gradient_accumulation_steps: int | None = None,
-    unload_encoders: bool = False,
+    base_quantization: str | None = None,
+    blocks_to_swap: int | None = None,
+    use_t5: bool | None = None,
     bucket: tuple[int, int] | None = None,
 ) -> Estimate:
-    """Estimate peak VRAM of the configured run; keyword arguments override the config.
-
-    `unload_encoders` assumes the text encoders and VAE leave the GPU once captions and
-    latents are cached (kit.train.loop keeps them loaded, for validation).
-    """
-    t = cfg.train
+    """Estimate peak VRAM and host RAM of the configured run; keyword arguments override the
+    config fields of the same names (`batch_size` is `train_batch_size`)."""
+    t, m = cfg.train, cfg.model
+    if use_t5 is not None and use_t5 != m.use_t5:
+        cfg = cfg.replace(use_t5=use_t5)
     res = resolution or cfg.data.resolution
     height, width = (bucket[1], bucket[0]) if bucket else bucket_size(cfg, res)
-    batch = batch_size or t.train_batch_size
     ckpt = t.gradient_checkpointing if gradient_checkpointing is None else gradient_checkpointing
     precision = mixed_precision or t.mixed_precision
     precision = "no" if precision == "fp32" else precision
-    opt = optimizer or t.optimizer
     accum = gradient_accumulation_steps or t.gradient_accumulation_steps
+    family = get_family(cfg.model.model_family, cfg)
     # The method decides what trains, and refuses a pair it cannot finish, before any trace.
-    live_text = get_method(cfg, get_family(cfg.model.model_family, cfg)).live_text
-    shape = Shape(height, width, batch, bool(ckpt), precision, accum > 1)
-    tr = cached_trace(cfg, shape)
+    method = get_method(cfg, family)
+    storage = Storage(
+        base_quantization or m.base_quantization,
+        t.blocks_to_swap if blocks_to_swap is None else blocks_to_swap,
+    )
+    check_quant(storage.quantization, method.name, method.whole_denoiser)
+    shape = Shape(height, width, batch_size or t.train_batch_size, bool(ckpt), precision, accum > 1)
+    return from_trace(
+        cfg,
+        cached_trace(cfg, shape),
+        shape,
+        storage,
+        resolution=res,
+        optimizer=optimizer or t.optimizer,
+        accumulation=accum,
+        method=method,
+        family=family,
+    )
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How the frozen base is kept: `base_quantization` and `blocks_to_swap`."""
+
+    quantization: str = "none"
+    swap: int = 0
+
+
+def from_trace(
+    cfg: Config,
+    tr: dict[str, Any],
+    shape: Shape,
+    storage: Storage,
+    *,
+    resolution: int,
+    optimizer: str,
+    accumulation: int,
+    method: Method,
+    family: Family,
+) -> Estimate:
+    """The estimate from one trace: arithmetic only, so the advice can try many settings on it."""
+    inv = tr["storage"]
+    quant, swap = storage.quantization, storage.swap
+    check_swap(swap, inv["blocks"], family.name, method.whole_denoiser, quant)
+    plan = swap_plan(inv["blocks"], swap)
     comps: dict[str, int] = {}
+    kept: dict[str, int] = {}
     for name, by_dtype in tr["frozen"].items():
-        if unload_encoders and name != "denoiser" and not live_text:
-            continue
-        comps[f"{name}_weights"] = sum(by_dtype.values())
+        kept[name] = stored(quant, sum(by_dtype.values()), inv["quantized"].get(name))
+        comps[f"{name}_weights"] = kept[name] - (plan["host"] if name == "denoiser" else 0)
+    comps["swap_buffers"] = plan["staging"]
     trained = tr["trained_bytes"]
-    optim = tr["optimizer"][opt]
+    optim = tr["optimizer"][optimizer]
     comps["trainable_weights"] = trained
     comps["optimizer_state"] = optim["state"]
     o = cfg.objective
-    ema = trained if o.ema_decay > 0 and not o.ema_on_cpu else 0
-    comps["ema"] = ema
+    comps["ema"] = trained if o.ema_decay > 0 and not o.ema_on_cpu else 0
     persistent = sum(comps.values())
 
+    # A quantized layer is unpacked into the compute dtype for its matmul (and again for its
+    # backward), one layer at a time.
+    half = 4 if shape.precision == "no" else 2
+    largest = max((q["largest"] for q in inv["quantized"].values()), default=0)
+    dequant = 2 * largest * half if quant != "none" else 0
     peak = dict(tr["peak"])
-    step_peak = sum(peak.values())
+    step_peak = sum(peak.values()) + dequant
     grads_always = trained if shape.grads_persist else 0
     # The optimizer step: every gradient, plus the optimizer's temporaries (and EMA's move-in).
     ema_move = trained if o.ema_decay > 0 and o.ema_on_cpu else 0
@@ -224,6 +317,7 @@ def estimate(
         comps["gradients"] = grads_always + peak.get("gradients", 0)
         comps["batch"] = peak.get("batch", 0) + peak.get("loss", 0)
         comps["activations"] = sum(groups.values())
+        comps["dequant_buffers"] = dequant
         comps["backward_buffers"] = peak.get("backward", 0)
     else:
         phase = "optimizer step"
@@ -231,43 +325,132 @@ def estimate(
         comps["gradients"] = trained
         comps["batch"] = 0
         comps["activations"] = 0
+        comps["dequant_buffers"] = 0
         comps["backward_buffers"] = at_step - trained
     allocated = sum(comps.values())
     comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
     comps["cuda_context"] = CUDA_CONTEXT
+    setup = _setup_phase(tr, kept, quant, family, half, trained if method.whole_denoiser else 0)
 
-    encoders = sum(sum(v.values()) for n, v in tr["frozen"].items() if n != "denoiser")
+    # Host RAM has two phases (kit.train.prepare): the base is loaded into host memory and then
+    # moved to the GPU; afterwards the swapped blocks' copies, the batches read from the cache
+    # and an EMA kept on the CPU stay. The peak is the larger phase.
+    # Every frozen part loads in the run's dtype, but the VAE, which encodes the cache, in fp32.
+    loaded = sum(
+        sum(v.values()) * (4 // half if n == "vae" else 1) for n, v in tr["frozen"].items()
+    )
+    loading = {"loaded_weights": loaded + (trained if method.whole_denoiser else 0)}
+    training = {
+        "swapped_blocks": plan["host"],
+        "cached_batch": 2 * tr["inputs_bytes"],  # the entries read, and the batch stacked
+        "ema": ema_move,
+    }
+    host_phase = "loading" if sum(loading.values()) >= sum(training.values()) else "training"
+    host = {"process": HOST_PROCESS}
+    for phase_name, part in (("loading", loading), ("training", training)):
+        host.update({k: v if phase_name == host_phase else 0 for k, v in part.items()})
+
     notes = [
         f"the peak falls in the {phase}; persistent state is {persistent / GIB:.2f} GiB",
         "activations come from one traced training step on the meta device; attention is "
         "counted as flash / memory-efficient kernels keep it (output and log-sum-exp)",
     ]
-    if not unload_encoders and not live_text and encoders:
+    encoders = sum(comps[f"{n}_weights"] for n in tr["frozen"] if n != "denoiser")
+    if not method.live_text and encoders:
         notes.append(
-            f"text encoders and VAE stay loaded ({encoders / GIB:.2f} GiB); with cached "
-            "latents and captions they could leave the GPU"
+            f"text encoders and VAE stay on the GPU ({encoders / GIB:.2f} GiB) once the cache "
+            "is filled: validation draws with them"
         )
-    if precision == "no":
+    if quant != "none":
+        parts = ", ".join(inv["quantized"])
+        before = sum(sum(tr["frozen"][n].values()) for n in inv["quantized"])
+        after = sum(kept[n] for n in inv["quantized"])
+        note = (
+            f"base_quantization {quant}: {parts} take {after / GIB:.2f} GiB, not {before / GIB:.2f}"
+        )
+        if quant == "nf4":
+            note += "; nf4 needs a CUDA GPU (bitsandbytes)"
+        notes.append(note)
+    if swap:
+        notes.append(
+            f"blocks_to_swap {swap}: {swap} of the denoiser's {len(inv['blocks'])} transformer "
+            f"blocks ({plan['host'] / GIB:.2f} GiB) stay in host RAM and are copied in for each "
+            f"forward and backward, {plan['staging'] / GIB:.2f} GiB of them on the GPU at a time"
+        )
+    step_total = sum(comps.values())
+    if setup["total"] > step_total:
+        notes.append(
+            f"setting up needs more than the step: {setup['total'] / GIB:.2f} GiB while the "
+            f"cache fills, with {setup['why']}"
+        )
+    if host_phase == "loading":
+        notes.append(
+            f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB while the base loads: its "
+            f"parts are read in the run's dtype ({loaded / GIB:.2f} GiB) before they move to the GPU"
+        )
+    else:
+        notes.append(
+            f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB in training: the swapped "
+            f"blocks ({plan['host'] / GIB:.2f} GiB) stay there, pinned"
+        )
+    if shape.precision == "no":
         notes.append("fp32 training: bf16 mixed precision roughly halves activations")
     settings = {
-        "resolution": res,
-        "height": height,
-        "width": width,
-        "batch_size": batch,
-        "gradient_accumulation_steps": accum,
-        "gradient_checkpointing": bool(ckpt),
-        "mixed_precision": precision,
-        "optimizer": opt,
-        "unload_encoders": unload_encoders,
+        "resolution": resolution,
+        "height": shape.height,
+        "width": shape.width,
+        "batch_size": shape.batch,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_checkpointing": shape.checkpointing,
+        "mixed_precision": shape.precision,
+        "optimizer": optimizer,
+        "base_quantization": quant,
+        "blocks_to_swap": swap,
+        "use_t5": cfg.model.use_t5,
         "trainable_params": tr["learned"],
     }
     details = {
         "activations_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
         "frozen_weights_by_dtype": _by_dtype(tr["frozen"]),
+        "frozen_weights_stored": kept,
         "peak_phase": phase,
         "allocated_bytes": allocated,
+        "setup": setup["components"],
+        "setup_bytes": setup["total"],
+        "host_phase": host_phase,
+        "host_by_phase": {"loading": sum(loading.values()), "training": sum(training.values())},
+        "swap": plan,
+        "swappable_blocks": len(inv["blocks"]),
+        "cache_bytes_per_sample": tr["inputs_bytes"] // max(1, shape.batch),
     }
-    return Estimate(comps, settings, notes, details)
+    return Estimate(comps, settings, notes, details, host)
+
+
+def _setup_phase(
+    tr: dict[str, Any], kept: dict[str, int], quant: str, family: Family, half: int, whole: int
+) -> dict[str, Any]:
+    """GPU memory while the cache fills, before the first step, as kit.train.prepare orders it:
+    the text encoders and the VAE are on the GPU (the T5s not yet quantized: they are quantized
+    once they have encoded the captions; the VAE in fp32); the denoiser joins them only after
+    the cache is filled (quantized layer by layer, its swapped blocks never leaving host RAM),
+    which the training step's estimate counts. The encoders' activations while they encode are
+    not counted."""
+    del kept, whole  # the denoiser is not on the GPU while the cache fills
+    comps = {}
+    for name, by_dtype in tr["frozen"].items():
+        loaded = sum(by_dtype.values())
+        if name == "vae":
+            comps["vae_weights"] = loaded * 4 // half
+        elif name != "denoiser":
+            comps[f"{name}_weights"] = loaded
+    allocated = sum(comps.values())
+    comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
+    comps["cuda_context"] = CUDA_CONTEXT
+    late = [n for n in family.quantized_text_encoders if n in tr["frozen"]]
+    why = "the text encoders and the VAE on the GPU while the cache fills"
+    if quant != "none" and late:
+        why += f" ({', '.join(late)} not yet quantized)"
+    return {"components": comps, "total": sum(comps.values()), "why": why}
 
 
 def _by_dtype(frozen: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -283,8 +466,10 @@ __all__ = [
     "GPUS",
     "NO_BF16",
     "Estimate",
+    "Storage",
     "bucket_size",
     "cached_trace",
     "estimate",
     "forget_traces",
+    "from_trace",
 ]

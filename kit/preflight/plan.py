@@ -9,6 +9,7 @@ warm-up; validation and checkpoints at eight points, with three groups of prompt
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -27,6 +28,7 @@ from kit.families import get_family
 from kit.io import write_json
 from kit.methods import get_method
 from kit.optim import scale_learning_rate
+from kit.preflight.advice import advise, format_changes
 from kit.preflight.estimate import GIB, GPUS, estimate
 
 TASKS = ("character", "style", "concept")
@@ -258,7 +260,9 @@ def plan(
             else f"{gpu_name[0]} lacks bf16; fp16 with a loss scaler",
             mixed_precision=precision,
         )
-    batch, ckpt, fit_note = _fit_batch(from_dict(flat), target, largest, gpu_name, precision)
+    batch, ckpt, fit_note, storage = _fit_batch(
+        from_dict(flat), target, largest, gpu_name, precision
+    )
     accum = max(1, target // batch)
     eff = batch * accum
     propose(
@@ -266,6 +270,7 @@ def plan(
         train_batch_size=batch,
         gradient_accumulation_steps=accum,
         gradient_checkpointing=ckpt,
+        **storage,
     )
 
     # Learning rate: by method, square-root scaled from an effective batch of 8. The method
@@ -334,37 +339,70 @@ def plan(
 
 def _fit_batch(
     cfg: Config, target: int, largest: int, gpu: tuple[str, float] | None, precision: str
-) -> tuple[int, bool, str]:
-    """The largest batch (≤ target and the largest bucket) that fits, without checkpointing first."""
+) -> tuple[int, bool, str, dict[str, Any]]:
+    """The largest batch (≤ target and the largest bucket) that fits, without checkpointing
+    first; where not even batch 1 with checkpointing fits, the cheapest other settings the
+    advice finds (a quantized base, block swap, …), as config keys."""
     sizes = [b for b in (16, 8, 4, 2, 1) if b <= min(target, largest)] or [1]
     if gpu is None:
         b = min(sizes[0], 2)
-        return b, False, "no GPU given or found: batch not checked against memory (pass --gpu)"
+        return b, False, "no GPU given or found: batch not checked against memory (pass --gpu)", {}
     name, gib = gpu
     last = None
     try:
-        for ckpt in (False, True):
-            for b in sizes:
-                est = estimate(
-                    cfg, batch_size=b, gradient_checkpointing=ckpt, mixed_precision=precision
+        for ckpt, b in itertools.product((False, True), sizes):
+            est = estimate(
+                cfg, batch_size=b, gradient_checkpointing=ckpt, mixed_precision=precision
+            )
+            last = est.peak_bytes / GIB
+            if est.fits(gib):
+                how = " with gradient checkpointing" if ckpt else ""
+                return (
+                    b,
+                    ckpt,
+                    f"batch {b}{how} fits {name} ({last:.2f} of {gib:g} GiB estimated)",
+                    {},
                 )
-                last = est.total_bytes / GIB
-                if est.fits(gib):
-                    how = " with gradient checkpointing" if ckpt else ""
-                    return (
-                        b,
-                        ckpt,
-                        f"batch {b}{how} fits {name} ({last:.2f} of {gib:g} GiB estimated)",
-                    )
+            if est.floor_bytes > gib * GIB:
+                break  # the weights alone are too much: no batch or checkpointing helps
+        one = cfg.replace(
+            train_batch_size=1,
+            gradient_accumulation_steps=1,
+            gradient_checkpointing=True,
+            mixed_precision=precision,
+        )
+        rows = advise(one, gib, top=1)
+        last = estimate(one).peak_bytes / GIB
     except Exception as e:  # the base model's configs are not reachable
-        return min(sizes[0], 2), False, f"memory not checked ({type(e).__name__}: {str(e)[:80]})"
+        return (
+            min(sizes[0], 2),
+            False,
+            f"memory not checked ({type(e).__name__}: {str(e)[:80]})",
+            {},
+        )
+    if rows:
+        changes = dict(rows[0]["set"])
+        ckpt = changes.pop("gradient_checkpointing", True)
+        how = " with" if ckpt else " without"
+        return (
+            1,
+            ckpt,
+            (
+                f"batch 1 with gradient checkpointing needs {last:.2f} GiB, more than {name}'s "
+                f"{gib:g}; batch 1{how} gradient checkpointing and {format_changes(changes)} fits "
+                f"({rows[0]['peak_gib']:.2f} GiB estimated, about {rows[0]['slowdown']:g}x the "
+                "time per image)"
+            ),
+            changes,
+        )
     return (
         1,
         True,
         (
-            f"does not fit {name} even at batch 1 with gradient checkpointing ({last:.2f} GiB "
-            "estimated): lower the resolution"
+            f"does not fit {name} even at batch 1 with gradient checkpointing, a quantized base "
+            f"or block swap ({last:.2f} GiB estimated): lower the resolution"
         ),
+        {},
     )
 
 

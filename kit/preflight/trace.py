@@ -11,7 +11,9 @@ rounds them. Two things the CPU build would do differently from a GPU are put ri
 - attention is stored as the flash / memory-efficient kernels store it: the output and the
   log-sum-exp, never the attention matrix.
 
-Weights, gradients and optimizer state follow from the trained parameters' shapes.
+Weights, gradients and optimizer state follow from the trained parameters' shapes; what a
+quantized base or block swap would do to the frozen weights follows from the inventory the trace
+takes of them (kit.preflight.storage).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from kit.families import Family, get_family
 from kit.families.shipped import config_source
 from kit.methods import get_method
 from kit.precision import torch_dtype
+from kit.preflight.storage import block_inventory, quant_inventory
 
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
 OPTIMIZERS = typing.get_args(typing.get_type_hints(TrainConfig)["optimizer"])
@@ -301,6 +304,7 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     half = None if weight_dtype == torch.float32 else weight_dtype
     for m in parts.values():
         m.to(device="meta", dtype=weight_dtype)
+    quantizable = quant_inventory(parts, family, weight_dtype)  # before an adapter wraps layers
     method = get_method(cfg, family)
     learned = method.mark_trainable(parts).trainable
     trained = [p for m in parts.values() for p in m.parameters() if p.requires_grad]
@@ -341,6 +345,11 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
             counter.tag = "batch"
             args, kwargs = family.denoiser_inputs(parts, shape.batch, shape.height, shape.width)
             args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+            inputs = sum(
+                t.numel() * t.element_size()
+                for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            )
             text_ids = _text_inputs(family, parts, shape.batch) if live_text else {}
             extra = []
             for name, ids in text_ids.items():
@@ -369,6 +378,8 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     peak = {k: v for k, v in counter.at_peak.items() if v > 0}
     shapes = [tuple(p.shape) for p in trained]
     return {
+        "inputs_bytes": inputs,
+        "storage": {"quantized": quantizable, "blocks": block_inventory(family, denoiser)},
         "peak": peak,
         "frozen": frozen,
         "trained_bytes": sum(p.numel() * 4 for p in trained),

@@ -1,0 +1,169 @@
+"""How the frozen base is stored: quantized Linear weights, blocks swapped to host memory.
+
+The trace counts every frozen weight in the run's dtype. Two settings change where those bytes
+live without changing the step itself, so they are arithmetic on an inventory the trace takes
+once from the meta-device parts (and caches with it):
+
+- `base_quantization` stores the layers `kit.families.quantize` quantizes (the Linear layers
+  of the repeated blocks of the denoiser, and of the family's `quantized_text_encoders`) as
+  int8 / fp8 codes with a scale per row, or nf4 with block scales; their sizes are that
+  module's own `estimated_bytes`. Each quantized layer is unpacked into the compute dtype for
+  its matmul, one layer at a time.
+- `blocks_to_swap` keeps the frozen weights of the last N of the family's transformer blocks
+  (`Family.swap_blocks`, in forward order, as kit.train.offload swaps them) in host RAM. They
+  leave the GPU; at most two of them are on it at a time (the block computing, and the next
+  one arriving on a side stream), and what trains stays on the GPU.
+
+The refusals mirror the trainer's, so the estimator never prices a run that would not start.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kit.errors import ConfigError, KitError
+from kit.families import Family
+from kit.families import quantize as quant
+
+KINDS = ("int8", "fp8", "nf4")
+"""The quantized kinds of `base_quantization`."""
+STAGING_BLOCKS = 2  # swapped blocks on the GPU at once: the one computing, the one arriving
+SWAP_SLOWDOWN = 0.5
+"""Extra time per step when every block is swapped: the copies overlap the compute in part."""
+QUANT_SLOWDOWN = {"none": 1.0, "fp8": 1.08, "int8": 1.1, "nf4": 1.25}
+"""Time per step relative to an unquantized base: each layer is unpacked before its matmul."""
+
+
+# ---------------------------------------------------------------- inventory (inside the trace)
+
+
+def quant_inventory(
+    parts: dict[str, nn.Module], family: Family, dtype: torch.dtype
+) -> dict[str, dict[str, int]]:
+    """Part → bytes of its quantizable layers in `dtype` (`none`) and stored as each kind,
+    with the largest such weight; taken before an adapter wraps the layers, as training
+    quantizes them before it attaches one."""
+    names = ["denoiser", *(n for n in family.quantized_text_encoders if n in parts)]
+    out = {}
+    for name in names:
+        module = parts[name]
+        layers = quant.quantizable_layers(module)
+        sizes = {"largest": 0}
+        for kind in KINDS:
+            sizes["none"], sizes[kind] = quant.estimated_bytes(module, kind, dtype)
+        sizes["largest"] = max((module.get_submodule(n).weight.numel() for n in layers), default=0)
+        out[name] = sizes
+    return out
+
+
+def swap_blocks(family: Family, denoiser: nn.Module) -> list[nn.Module]:
+    """The blocks `blocks_to_swap` counts, in forward order; none where the family has no
+    stack of transformer blocks (the UNets)."""
+    try:
+        return list(family.swap_blocks(denoiser))
+    except KitError:
+        return []
+
+
+def block_inventory(family: Family, denoiser: nn.Module) -> list[int]:
+    """Bytes of frozen weights in each swappable block, in forward order (what trains, such
+    as an adapter's weights, stays on the GPU and is not counted)."""
+    out = []
+    for block in swap_blocks(family, denoiser):
+        params = {id(p): p for p in block.parameters() if not p.requires_grad}
+        out.append(sum(p.numel() * p.element_size() for p in params.values()))
+    return out
+
+
+# ---------------------------------------------------------------- refusals (as the trainer's)
+
+
+def check_quant(kind: str, network_type: str, whole_denoiser: bool) -> None:
+    """Refuse a `base_quantization` the trainer refuses for this method (kit.families.quantize),
+    whatever machine it is estimated on: a missing library or a CPU here is not a refusal."""
+    try:
+        quant.check_quantization(
+            kind, "cuda", network_type=network_type, whole_denoiser=whole_denoiser
+        )
+    except ConfigError:
+        raise
+    except KitError:
+        pass  # the library is installed where the run trains
+
+
+def check_swap(n: int, blocks: list[int], family: str, whole_denoiser: bool, kind: str) -> None:
+    """Refuse a swap the trainer refuses (kit.train.offload), naming the key and the limit."""
+    if n == 0:
+        return
+    if n < 0:
+        raise ConfigError(f"blocks_to_swap: {n} must be 0 (no swapping) or more")
+    if whole_denoiser:
+        raise ConfigError(
+            f"blocks_to_swap: {n} keeps frozen weights in CPU memory, and this method trains "
+            "every weight of the denoiser; set blocks_to_swap: 0 or train an adapter"
+        )
+    if kind != "none":
+        raise ConfigError(
+            f"blocks_to_swap: {n} with base_quantization: {kind}: quantized weights are not "
+            "swapped; set one of the two to 0 / none"
+        )
+    if not blocks:
+        raise ConfigError(
+            f"blocks_to_swap: the {family} denoiser has no stack of transformer blocks to swap; "
+            "set blocks_to_swap: 0"
+        )
+    if n > len(blocks):
+        raise ConfigError(
+            f"blocks_to_swap: {n} is more than the {len(blocks)} transformer blocks of this "
+            f"{family} denoiser; set it to at most {len(blocks)}"
+        )
+
+
+# ---------------------------------------------------------------- arithmetic (in the estimate)
+
+
+def stored(kind: str, frozen_bytes: int, sizes: dict[str, int] | None) -> int:
+    """Frozen bytes of a part once its quantizable layers are stored as `kind`."""
+    if kind == "none" or sizes is None:
+        return frozen_bytes
+    return frozen_bytes - sizes["none"] + sizes[kind]
+
+
+def swap_plan(blocks: list[int], n: int) -> dict[str, int]:
+    """Bytes the last `n` blocks keep in host RAM, and the GPU memory the ones visiting take."""
+    swapped = blocks[len(blocks) - n :] if n else []
+    return {
+        "host": sum(swapped),
+        "staging": sum(sorted(swapped)[-STAGING_BLOCKS:]),
+        "blocks": n,
+    }
+
+
+def swap_slowdown(n: int, blocks: list[int]) -> float:
+    """Time per step relative to no swap: grows with the share of blocks swapped."""
+    return 1.0 + SWAP_SLOWDOWN * n / max(1, len(blocks))
+
+
+def swap_choices(blocks: list[int]) -> list[int]:
+    """The swap counts the advice tries: none, then eighths of the stack up to all of it."""
+    top = len(blocks)
+    if not top:
+        return [0]
+    return sorted({0, top, *(max(1, round(top * i / 8)) for i in range(1, 8))})
+
+
+__all__ = [
+    "KINDS",
+    "QUANT_SLOWDOWN",
+    "STAGING_BLOCKS",
+    "block_inventory",
+    "check_quant",
+    "check_swap",
+    "quant_inventory",
+    "stored",
+    "swap_blocks",
+    "swap_choices",
+    "swap_plan",
+    "swap_slowdown",
+]
