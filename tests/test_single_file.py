@@ -307,3 +307,11 @@ def test_env_reports_host_memory():
     assert mem["peak_rss_gib"] and mem["peak_rss_gib"] > 0
     rep = report()
     assert any(note.startswith("host RAM: ") for note in advice(rep))
+
+
+def test_the_estimate_reads_a_file_bases_architecture_from_model_config(tiny_base, files):
+    from kit.preflight.estimate import estimate
+
+    from_file = estimate(_cfg("sdxl", files("sdxl"), model_config=str(tiny_base("sdxl"))))
+    from_folder = estimate(_cfg("sdxl", tiny_base("sdxl")))
+    assert from_file.total_bytes == from_folder.total_bytes > 0

@@ -147,7 +147,8 @@ def _cache_dir() -> Path:
 
 
 def _trace_key(cfg: Config, shape: Shape) -> str:
-    source = config_source(cfg.model.pretrained_model)
+    family = get_family(cfg.model.model_family, cfg)
+    source = config_source(family.model_source(cfg.model.pretrained_model))
     configs = {}
     if Path(source).is_dir():
         for f in sorted(Path(source).glob("*/config.json")):

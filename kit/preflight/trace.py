@@ -299,7 +299,8 @@ def _text_inputs(family: Family, parts: dict[str, nn.Module], batch: int) -> dic
 def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     """One forward and backward pass of the configured method; the bytes, by what holds them."""
     family = get_family(cfg.model.model_family, cfg)
-    parts = family.empty_parts(config_source(cfg.model.pretrained_model))
+    # A single-file base's architecture is its model_config's.
+    parts = family.empty_parts(config_source(family.model_source(cfg.model.pretrained_model)))
     weight_dtype = torch_dtype(shape.precision)
     half = None if weight_dtype == torch.float32 else weight_dtype
     for m in parts.values():
