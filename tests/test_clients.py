@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from kit.export.clients import Applied, a1111, comfyui, ldm_unet_map, lycoris, sdscripts
+from kit.export.clients import Applied, a1111, comfyui, lycoris, sdscripts
+from tests.ldm_names import ldm_unet_map
 
 R = 2  # rank of every test adapter
 
@@ -674,3 +675,18 @@ def test_readers_agree_on_a_diffusers_unet_in_the_standard_layout(xl):
         close(comfy.merged["diffusion_model." + aliases[diffusers_key]], value)
     for key, value in auto.merged.items():
         close(comfy.merged[key[len("model.") :]], value)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_two_independent_ldm_namings_agree(name, tiny_base):
+    """The kit's LDM names (from the UNet config, `kit.families.ldm`) and this file's (from the
+    keys alone) name every weight of the tiny UNets alike."""
+    from diffusers import UNet2DConditionModel
+
+    from kit.families.base import ldm_aliases
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_base(name), subfolder="unet")
+    from_keys = ldm_unet_map(unet.state_dict())
+    from_config = ldm_aliases(unet.config)
+    weights = [k for k in unet.state_dict() if k.endswith(".weight")]
+    assert weights and all(from_config[k] == from_keys[k] for k in weights)

@@ -233,6 +233,15 @@ class NetworkConfig:
 
 @dataclass
 class ObjectiveConfig:
+    loss_type: Literal["mse", "huber", "smooth_l1"] = "mse"
+    """The per-element loss: `mse`, or the robust `huber` / `smooth_l1` (less pull from outliers,
+    e.g. noisy or mislabelled images), with `huber_c`."""
+    huber_c: float = 0.1
+    """The Huber / smooth-L1 threshold: errors below it count quadratically, above it linearly."""
+    min_timestep: int = 0
+    """The smallest training timestep drawn, of 0…1000 (flow-matching families: σ·1000)."""
+    max_timestep: int = 1000
+    """The largest training timestep drawn (exclusive), of 0…1000 (flow-matching: σ·1000)."""
     timestep_sampling: Literal["auto", "uniform", "logit_normal", "mode"] = "auto"
     """How flow-matching families (sd3, flux, wan) draw σ; `auto` is `logit_normal`, or `uniform`
     when `loss_weighting` is set (as diffusers pairs them). DDPM families draw uniformly."""
@@ -333,7 +342,7 @@ class TrainConfig:
     """Keep only the newest this many checkpoints (0 keeps all)."""
     logging_steps: int = 1
     """Log loss, learning rate and gradient norm every this many steps."""
-    report_to: Literal["tensorboard", "none"] = "tensorboard"
+    report_to: Literal["tensorboard", "wandb", "none"] = "tensorboard"
     """Tracker for metrics besides the JSONL log."""
     grad_scaler_init_scale: float = 65536.0
     """fp16: initial loss scale of the gradient scaler."""

@@ -397,6 +397,8 @@ class Family(ABC):
             generator,
             min_snr_gamma=o.min_snr_gamma,
             noise_offset=o.noise_offset,
+            min_timestep=o.min_timestep,
+            max_timestep=o.max_timestep,
         )
 
     def flow_draw(
@@ -417,6 +419,8 @@ class Family(ABC):
             mode_scale=o.mode_scale,
             shift=shift,
             num_train_timesteps=steps,
+            min_timestep=o.min_timestep,
+            max_timestep=o.max_timestep,
         )
         if o.loss_weighting != "none":
             draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)

@@ -26,11 +26,16 @@ def ddpm_noise_and_target(
     *,
     min_snr_gamma: float = 0.0,
     noise_offset: float = 0.0,
+    min_timestep: int = 0,
+    max_timestep: int = 1000,
 ) -> NoiseDraw:
     """Uniform timesteps and Gaussian noise for DDPM-style models; epsilon or v target.
 
     `noise_offset` adds a per-channel constant to the noise (offset noise); `min_snr_gamma`
     weights each sample by min(SNR, γ) / SNR (epsilon) or min(SNR, γ) / (SNR + 1) (v).
+    Timesteps are drawn uniformly from the integers in [`min_timestep`, `max_timestep`), as
+    sd-scripts' `--min_timestep` / `--max_timestep` do; the bounds count 0…1000 and are scaled
+    to the scheduler's own `num_train_timesteps` where that is not 1000.
     """
     b = latents.shape[0]
     # Draw on the CPU generator so a run is the same on any device.
@@ -40,7 +45,8 @@ def ddpm_noise_and_target(
         noise = noise + noise_offset * torch.randn(shape, generator=generator)
     noise = noise.to(latents.device, latents.dtype)
     steps = scheduler.config.num_train_timesteps
-    timesteps = torch.randint(0, steps, (b,), generator=generator).to(latents.device)
+    lo, hi = ddpm_timestep_range(steps, min_timestep, max_timestep)
+    timesteps = torch.randint(lo, hi, (b,), generator=generator).to(latents.device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     kind = scheduler.config.prediction_type
     if kind == "epsilon":
@@ -58,6 +64,16 @@ def ddpm_noise_and_target(
     return NoiseDraw(noisy, timesteps, target, weight)
 
 
+def ddpm_timestep_range(steps: int, min_timestep: int, max_timestep: int) -> tuple[int, int]:
+    """The integer timesteps [lo, hi) of a scheduler with `steps` training steps that the
+    0…1000 bounds select; never empty, so a narrow window on a coarse scheduler still draws."""
+    if steps == 1000:
+        return min_timestep, max_timestep
+    lo = min(steps - 1, min_timestep * steps // 1000)
+    hi = max(lo + 1, -(-max_timestep * steps // 1000))
+    return lo, hi
+
+
 def flow_noise_and_target(
     latents: torch.Tensor,
     generator: torch.Generator,
@@ -68,11 +84,21 @@ def flow_noise_and_target(
     mode_scale: float = 1.29,
     shift: float = 1.0,
     num_train_timesteps: int = 1000,
+    min_timestep: int = 0,
+    max_timestep: int = 1000,
 ) -> NoiseDraw:
     """Rectified-flow draw: x_t = (1 - σ) x0 + σ ε, target ε - x0; σ sampled as configured.
 
     `sampling`: `uniform`, `logit_normal` (SD3's default) or `mode` (SD3 paper's mode sampling);
     `shift` > 1 moves σ towards the noisy end, as the schedulers do at sampling time.
+
+    `min_timestep` / `max_timestep` (σ·1000) confine σ to [min/1000, max/1000): the draw is
+    made and shifted over the whole of [0, 1] first, then mapped linearly into the interval,
+    as sd-scripts' SD3 and musubi-tuner's trainers apply their bounds. So the shift shapes
+    the distribution inside the interval (with shift > 1 more of the draws land near its
+    noisy end) but never moves the bounds themselves: σ stays inside whatever the shift.
+    Every draw is kept (no rejection sampling), so the random sequence is the same for any
+    bounds; σ meets the upper bound only where an unbounded draw would give σ = 1 exactly.
     """
     b = latents.shape[0]
     noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
@@ -87,6 +113,9 @@ def flow_noise_and_target(
     else:
         raise ValueError(f"unknown timestep sampling {sampling!r}")
     sigma = shift * u / (1 + (shift - 1) * u)
+    lo, hi = min_timestep / 1000, max_timestep / 1000
+    if (lo, hi) != (0.0, 1.0):  # the full range leaves σ as drawn, bit for bit
+        sigma = lo + (hi - lo) * sigma
     sigma = sigma.to(latents.device)
     s = sigma.view(b, *([1] * (latents.ndim - 1))).to(latents.dtype)
     noisy = (1 - s) * latents + s * noise
