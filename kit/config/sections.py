@@ -283,6 +283,15 @@ class ObjectiveConfig:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be in [0, 1)")
         if self.min_snr_gamma < 0 or self.noise_offset < 0:
             raise ConfigError("min_snr_gamma and noise_offset must be 0 (off) or positive")
+        if not 0 <= self.min_timestep < 1000:
+            raise ConfigError(f"min_timestep: {self.min_timestep} must be in 0…999")
+        if not self.min_timestep < self.max_timestep <= 1000:
+            raise ConfigError(
+                f"max_timestep: {self.max_timestep} must be above min_timestep "
+                f"({self.min_timestep}) and at most 1000 (it is exclusive)"
+            )
+        if not self.huber_c > 0:
+            raise ConfigError(f"huber_c: {self.huber_c} must be positive")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kit.errors import ConfigError
 from kit.families import Components, Family
 
 
@@ -19,15 +20,43 @@ def denoising_loss(
     generator: torch.Generator,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """Mean squared error between the denoiser's output and the family's target, weighted."""
+    """The per-element loss (`loss_type`) between the denoiser's output and the family's
+    target, averaged per sample, then weighted per sample (min-SNR, flow weighting)."""
+    o = family.cfg.objective
     batch = {k: v.to(device) for k, v in batch.items()}
     latents = batch.pop("latents")
     draw = family.noise_and_target(comps, latents, generator)
     pred = family.predict(comps, draw.noisy, draw.timesteps, batch)
-    per_sample = (pred.float() - draw.target.float()).pow(2).flatten(1).mean(1)
+    per_sample = elementwise_loss(pred, draw.target, o.loss_type, o.huber_c).flatten(1).mean(1)
     if draw.weight is not None:
         per_sample = per_sample * draw.weight.to(per_sample)
     return per_sample.mean()
+
+
+def elementwise_loss(
+    pred: torch.Tensor, target: torch.Tensor, loss_type: str = "mse", huber_c: float = 0.1
+) -> torch.Tensor:
+    """The loss of each element, in fp32: `mse` (d²), `huber` or `smooth_l1`, d = pred - target.
+
+    Both robust losses are the smooth pseudo-Huber curve sd-scripts trains with, with one c
+    for every timestep (its `--huber_schedule constant`; its default `snr` schedule, which
+    varies c with the timestep, is not offered):
+    `huber` is 2c(√(d² + c²) - c), ≈ d² for |d| ≪ c (the mse scale, so learning rates carry
+    over) and ≈ 2c|d| for |d| ≫ c; `smooth_l1` is the same divided by c, 2(√(d² + c²) - c),
+    ≈ d²/c near zero and ≈ 2|d| far out (an L1 loss in the limit c → 0). Not torch's piecewise
+    `smooth_l1_loss`: kohya configs that name `smooth_l1` mean this curve, and it has no kink.
+    """
+    d = pred.float() - target.float()
+    if loss_type == "mse":
+        return d.pow(2)
+    if loss_type not in ("huber", "smooth_l1"):
+        raise ConfigError(f"loss_type: {loss_type!r} is not one of mse, huber, smooth_l1")
+    c = float(huber_c)
+    # 2(√(d² + c²) - c) rewritten as 2d² / (√(d² + c²) + c): the same value without the
+    # cancellation that loses every digit of small errors in fp32 when |d| ≪ c.
+    square = d.pow(2)
+    robust = 2 * square / (torch.sqrt(square + c * c) + c)
+    return robust * c if loss_type == "huber" else robust
 
 
 def drop_captions(
