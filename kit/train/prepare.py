@@ -228,10 +228,14 @@ def _prepare_trained(
     ]
     # Under DeepSpeed too accelerate steps this schedule (the engine steps only its own kinds).
     # A block-swapped denoiser is already where it must be: accelerate would move it whole.
-    placement = [not (keep_placement and m is comps.denoiser) for m in models] + [True, True]
-    *wrapped, optimizer, scheduler = accelerator.prepare(
-        *models, optimizer, scheduler, device_placement=placement
+    # (Only then is a placement given: accelerate refuses one under DeepSpeed, which the swap
+    # refuses too.)
+    placement = (
+        {"device_placement": [m is not comps.denoiser for m in models] + [True, True]}
+        if keep_placement
+        else {}
     )
+    *wrapped, optimizer, scheduler = accelerator.prepare(*models, optimizer, scheduler, **placement)
     if method.trains_denoiser:
         comps.denoiser = wrapped[0]
     for i, m in zip(encoders, wrapped[len(wrapped) - len(encoders) :], strict=True):
