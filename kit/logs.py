@@ -10,6 +10,9 @@ import warnings
 def quiet_libraries() -> None:
     """Silence per-file loading bars and advice that users cannot act on."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # wandb's banner, offline-sync advice and end-of-run sparklines (on stderr, beside the
+    # progress bar); the kit prints the run's address itself. WANDB_SILENT=false brings it back.
+    os.environ.setdefault("WANDB_SILENT", "true")
     try:
         from diffusers.utils import logging as dlog
 

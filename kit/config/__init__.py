@@ -98,7 +98,16 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
-SECRET_KEYS = {"token", "hf_token", "hub_token", "huggingface_token", "access_token", "auth_token"}
+SECRET_KEYS = {
+    "token",
+    "hf_token",
+    "hub_token",
+    "huggingface_token",
+    "access_token",
+    "auth_token",
+    "api_key",
+    "wandb_api_key",
+}
 """Keys refused with a pointer to the environment: a config is saved into the run folder."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from pathlib import Path
@@ -42,6 +43,16 @@ def resolve_precision(requested: str) -> str:
     return requested
 
 
+def check_tracker(report_to: str) -> None:
+    """Refuse a tracker that is not installed before anything loads (accelerate would drop it
+    with a log line, and the run would go untracked)."""
+    if report_to == "wandb" and importlib.util.find_spec("wandb") is None:
+        raise KitError(
+            "report_to: wandb needs the wandb package, which is not installed: pip install wandb "
+            "(or the kit's extra: pip install -e '.[wandb]'), or set report_to: tensorboard"
+        )
+
+
 def deepspeed_launch() -> bool:
     """Whether `accelerate launch` started this process with a DeepSpeed config."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
@@ -66,6 +77,7 @@ def make_accelerator(
     )
 
     t = cfg.train
+    check_tracker(t.report_to)
     precision = resolve_precision(t.mixed_precision)
     handlers = []
     if precision == "fp16":

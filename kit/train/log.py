@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from kit.config import Config
+from kit.errors import KitError
+from kit.families.identity import public_name
 from kit.run.folder import RunDir
 from kit.train.state import Callback, TrainState
 
@@ -24,10 +30,111 @@ def scalar_config(cfg: Config) -> dict[str, Any]:
     return out
 
 
+TENSORBOARD_PROJECT = "kit"
+"""TensorBoard's folder under the run's `logs/`."""
+
+WANDB_SETTINGS = {
+    # No record of the machine (the program's and Python's paths, the working folder, the
+    # command line), of the git checkout or of the code: a run on W&B is often shared, and
+    # these would show the user's folder layout. Metrics, images and the config still go.
+    "x_disable_meta": True,
+    "disable_git": True,
+    "save_code": False,
+    # The kit prints paths (checkpoints, resumes) and its progress bar: the run's console
+    # stays on the user's screen, not in W&B's copy of it.
+    "console": "off",
+}
+"""`wandb.init` settings of every kit run (wandb 0.19 names)."""
+
+
+def shareable_config(cfg: Config) -> dict[str, Any]:
+    """The flat config for a tracker whose data leaves the machine (W&B): `scalar_config` with
+    every local path cut to its last part, as exports name the base model and the dataset."""
+    out = {}
+    for k, v in scalar_config(cfg).items():
+        if isinstance(v, str) and v.startswith(("[", "{")):
+            with contextlib.suppress(ValueError):  # a list or table, as `scalar_config` wrote it
+                v = json.dumps(_no_paths(json.loads(v)))
+        out[k] = _no_paths(v)
+    return out
+
+
+def _no_paths(value: Any) -> Any:
+    """`value` with every local path in it (in lists and tables too) replaced by its name."""
+    if isinstance(value, list):
+        return [_no_paths(x) for x in value]
+    if isinstance(value, dict):
+        return {k: _no_paths(v) for k, v in value.items()}
+    return public_name(value) if isinstance(value, str) and value else value
+
+
 def start_trackers(accelerator: Any, cfg: Config) -> None:
-    """Open the configured trackers (`report_to`), if any."""
-    if accelerator.log_with:
-        accelerator.init_trackers("kit", config=scalar_config(cfg))
+    """Open the configured trackers (`report_to`), if any.
+
+    W&B: the project is `WANDB_PROJECT`, else the run folder's name, which also names the run;
+    its files go under `WANDB_DIR`, else the run's `logs/`. The API key is wandb's own affair
+    (`WANDB_API_KEY` or `wandb login`): the kit config never holds one.
+    """
+    if not accelerator.log_with:
+        return
+    if cfg.train.report_to != "wandb":
+        accelerator.init_trackers(TENSORBOARD_PROJECT, config=scalar_config(cfg))
+        return
+    _start_wandb(accelerator, cfg)
+
+
+def _start_wandb(accelerator: Any, cfg: Config) -> None:
+    """Open the W&B run (see `start_trackers`) and say where it is."""
+    import wandb.errors
+
+    run = RunDir(Path(cfg.train.output_dir))
+    name = run.root.name
+    init: dict[str, Any] = {
+        "name": name,
+        # Given to `wandb.init`, not to `init_trackers`: accelerate would put it into wandb's
+        # global config, which another run open in the same process (a notebook) may own.
+        "config": shareable_config(cfg),
+        "settings": dict(WANDB_SETTINGS),
+    }
+    # Both given each time: wandb reads its environment once per process, and a notebook
+    # kernel may change them between runs.
+    init["dir"] = os.environ.get("WANDB_DIR") or str(run.logs)
+    Path(init["dir"]).mkdir(parents=True, exist_ok=True)
+    if os.environ.get("WANDB_MODE") in ("online", "offline", "disabled"):
+        init["mode"] = os.environ["WANDB_MODE"]
+    # W&B refuses these characters in a project name; a folder name may hold them.
+    project = os.environ.get("WANDB_PROJECT") or re.sub(r"[/\\#?%:]", "-", name)
+    try:
+        accelerator.init_trackers(project, init_kwargs={"wandb": init})
+    except wandb.errors.Error as e:
+        raise KitError(
+            f"report_to: wandb: W&B did not start the run ({e}); set WANDB_API_KEY or run "
+            "`wandb login`, or set WANDB_MODE=offline to keep the run on this machine"
+        ) from e
+    if not accelerator.is_main_process:
+        return
+    wb = accelerator.get_tracker("wandb", unwrap=True)
+    # wandb itself is kept silent (kit.logs.quiet_libraries): this line says where the run is.
+    if wb.url:
+        accelerator.print(f"W&B run: {wb.url}")
+    elif wb.settings.mode == "offline":
+        accelerator.print(
+            f"W&B run saved offline in {wb.settings.sync_dir} (`wandb sync` uploads it)"
+        )
+
+
+def log_grid(accelerator: Any, step: int, grid: Path) -> None:
+    """Send a validation grid to the trackers that take images (W&B), main process only.
+
+    TensorBoard is left out: the grids are in the run's `validation/` folder already.
+    """
+    if not accelerator.is_main_process or "wandb" not in [t.name for t in accelerator.trackers]:
+        return
+    from PIL import Image
+
+    with Image.open(grid) as im:
+        image = im.convert("RGB")
+    accelerator.get_tracker("wandb").log_images({"validation": [image]}, step=step)
 
 
 def step_row(

@@ -22,7 +22,7 @@ from kit.report.archive import write_archive
 from kit.report.doctor import write_report
 from kit.report.plots import plot_metrics
 from kit.train.evaluate import fixed_losses, validate
-from kit.train.log import audit, log_row, progress_bar, step_row, weights_digest
+from kit.train.log import audit, log_grid, log_row, progress_bar, step_row, weights_digest
 from kit.train.prepare import prepare
 from kit.train.save import save
 from kit.train.state import Callback, StopTraining, TrainResult, TrainState
@@ -135,7 +135,9 @@ def end_of_step(
         save(s, s.step)
     every = s.cfg.validation.validation_steps
     if s.main and (last or (every and s.step % every == 0)):
-        s.result.validation_grids.append(validate(s, s.step))
+        grid = validate(s, s.step)
+        s.result.validation_grids.append(grid)
+        log_grid(s.accelerator, s.step, grid)  # to the tracker too, where it takes images
 
 
 def _on_interrupt(s: TrainState) -> None:
