@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kit.export.clients import comfyui
-from kit.families import flux_layout, get_family, kohya, sd3_layout
+from kit.families import adapter_keys, flux_layout, get_family, sd3_layout
 
 PREFIX = "diffusion_model."
 RANK, ALPHA = 4, 6.0
@@ -57,8 +57,12 @@ def original(name: str, state: dict, config) -> dict[str, torch.Tensor]:
 
 def aliases(name: str, config) -> dict:
     if name == "flux":
-        return kohya.offset_aliases(flux_layout.module_map(config), flux_layout.SWAPPED_HALVES)
-    return kohya.offset_aliases(sd3_layout.module_map(config), sd3_layout.swapped_modules(config))
+        return adapter_keys.offset_aliases(
+            flux_layout.module_map(config), flux_layout.SWAPPED_HALVES
+        )
+    return adapter_keys.offset_aliases(
+        sd3_layout.module_map(config), sd3_layout.swapped_modules(config)
+    )
 
 
 def peft_config(kind: str, targets: list[str]):
@@ -184,7 +188,7 @@ def test_diffusers_named_adapters_merge_as_peft_does(transformers, name, kind):
     if kind == "lora":
         file = lora_file(state)
     else:
-        file = kohya.lycoris_keys(state, ALPHA, RANK, "lycoris")
+        file = adapter_keys.lycoris_keys(state, ALPHA, RANK, "lycoris")
     model = original(name, base.state_dict(), base.config)
     want = original(name, merged, base.config)
     got = comfyui.apply(file, {}, model, aliases=aliases(name, base.config))

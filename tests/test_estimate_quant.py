@@ -171,7 +171,7 @@ def test_flux_dev_lora_on_16_and_24_gb_cards():
     # the swapped blocks stay there, pinned, once training runs.
     loaded = bf16.host["loaded_weights"]
     assert 31 * GIB < loaded < 32 * GIB and bf16.host_bytes == loaded + bf16.host["process"]
-    assert every.details["host_phase"] == "loading"
+    assert every.details["host_phase"] == "load"
     assert 20 * GIB < every.details["host_by_phase"]["training"] < loaded
 
 
@@ -197,12 +197,7 @@ def test_every_advice_row_is_config_keys_the_trainer_takes(tmp_path):
             method = get_method(cfg, family)
             check_block_swap(cfg, family, method, parts["denoiser"])
             with contextlib.suppress(KitError):  # a library or GPU this machine lacks
-                quant.check_quantization(
-                    cfg.model.base_quantization,
-                    "cuda",
-                    network_type=method.name,
-                    whole_denoiser=method.whole_denoiser,
-                )
+                quant.check_quantization(cfg.model.base_quantization, "cuda", method=method)
             again = estimate(cfg)
             assert again.peak_bytes == r["estimate"].peak_bytes <= GPUS[card] * GIB
             assert r["peak_gib"] == round(again.peak_bytes / GIB, 2)

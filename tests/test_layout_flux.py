@@ -12,6 +12,7 @@ from torch import nn
 
 from kit.errors import KitError
 from kit.families import get_family
+from kit.families.adapter_keys import lycoris_keys as generic_lycoris_keys
 from kit.families.flux_layout import (
     KOHYA_PREFIX,
     SWAPPED_HALVES,
@@ -21,7 +22,6 @@ from kit.families.flux_layout import (
     module_map,
     to_original,
 )
-from kit.families.kohya import lycoris_keys as generic_lycoris_keys
 from tests.lycoris_reference import delta_weights
 
 RANK, ALPHA = 4, 8.0  # alpha ≠ rank, so a lost or doubled scale shows

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from kit.config import Config
 from kit.errors import KitError
 from kit.families import get_family, ldm, tiny
 from kit.families.shipped import MODEL_CONFIGS
@@ -228,7 +229,8 @@ def test_sd2_uses_the_open_clip_layout_and_round_trips(tmp_path):
     assert ldm.layout_of(state) == "sd2" and "v_pred" in state
     assert "cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight" in state
     assert not any(k.startswith("cond_stage_model.transformer.") for k in state)
-    assert ldm.architecture("sd2", "v_prediction") == "stable-diffusion-v2-768-v"
+    family = get_family("sd15", Config().replace(pretrained_model=str(base)))
+    assert family.version_metadata()["modelspec.architecture"] == "stable-diffusion-v2-768-v"
     path = _write(state, tmp_path / "sd2.safetensors")
     pipe = family.single_file_pipeline(path, base)
     assert_same_weights(_pipeline_parts(family.pipeline(comps)), _pipeline_parts(pipe))

@@ -13,8 +13,6 @@ import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 from peft import (
-    LoHaConfig,
-    LoKrConfig,
     LoraConfig,
     get_peft_model_state_dict,
     inject_adapter_in_model,
@@ -27,8 +25,6 @@ from kit.errors import ConfigError, KitError
 from kit.families import get_family
 from kit.families.sd3_layout import (
     kohya_lora,
-    lycoris_keys,
-    merge_adapter_file,
     module_map,
     swapped_modules,
     to_original,
@@ -260,24 +256,6 @@ def _apply_original(orig: dict[str, torch.Tensor], tensors) -> dict[str, torch.T
     return out
 
 
-def _apply_diffusers_names(orig, tensors, config) -> dict[str, torch.Tensor]:
-    """A `lycoris_<diffusers module>` file applied as ComfyUI's SD3 mapping does: into the
-    module's rows of the fused weight, the modulation halves swapped back."""
-    mapping, swapped = module_map(config), swapped_modules(config)
-    by_stem = {"lycoris_" + m.replace(".", "_"): m for m in mapping}
-    out = dict(orig)
-    for stem, parts in _by_stem(tensors).items():
-        module = by_stem[stem]
-        target, offset, count = mapping[module]
-        weight = out[f"{target}.weight"].clone()
-        delta = _delta(parts, (count, *weight.shape[1:]))
-        if module in swapped:
-            delta = torch.cat(delta.chunk(2, dim=0)[::-1])
-        weight[offset : offset + count] += delta
-        out[f"{target}.weight"] = weight
-    return out
-
-
 def _assert_close(back: dict[str, torch.Tensor], merged: dict[str, torch.Tensor]) -> None:
     assert set(back) == set(merged)
     for key, value in merged.items():
@@ -316,10 +294,6 @@ def test_per_module_ranks_without_rank_keep_each_modules_scale(base):
     assert tensors["lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight"].shape[0] == 10
     _round_trip(model, tensors, merged, _apply_original)
 
-    loha = LoHaConfig(r=RANK, alpha=ALPHA, target_modules=targets, rank_pattern=pattern)
-    state, merged = _adapt(model, loha)
-    _round_trip(model, lycoris_keys(state, ALPHA), merged, _apply_original)
-
 
 def test_kohya_dora_applied_with_row_norms_equals_peft_merge(base):
     _, model = base
@@ -338,89 +312,8 @@ def test_kohya_dora_applied_with_row_norms_equals_peft_merge(base):
         kohya_lora(partial, ALPHA, RANK)
 
 
-def test_loha_in_the_original_layout_equals_peft_merge(base):
-    _, model = base
-    targets = [
-        *get_family("sd3").default_lora_targets,
-        *FF,
-        "norm_out.linear",
-        "norm1_context.linear",
-    ]
-    state, merged = _adapt(model, LoHaConfig(r=RANK, alpha=ALPHA, target_modules=targets))
-    tensors = lycoris_keys(state, ALPHA, RANK)
-    assert "lora_unet_joint_blocks_0_x_block_attn_qkv.hada_w1_a" in tensors
-    _round_trip(model, tensors, merged, _apply_original)
-
-
-def test_lokr_in_the_original_layout_on_one_fused_part_equals_peft_merge(base):
-    _, model = base
-    targets = ["to_q", "to_out.0", *FF, "norm_out.linear", "norm1_context.linear"]
-    config = LoKrConfig(r=RANK, alpha=ALPHA, target_modules=targets)
-    state, merged = _adapt(model, config)
-    _round_trip(model, lycoris_keys(state, ALPHA, RANK), merged, _apply_original)
-
-
-def test_lokr_on_several_fused_parts_points_to_the_diffusers_layout(base):
-    _, model = base
-    targets = list(get_family("sd3").default_lora_targets)
-    state, merged = _adapt(model, LoKrConfig(r=RANK, alpha=ALPHA, target_modules=targets))
-    with pytest.raises(KitError, match=r"layout='diffusers'.*ComfyUI"):
-        lycoris_keys(state, ALPHA, RANK)
-
-    tensors = lycoris_keys(state, ALPHA, RANK, layout="diffusers")
-    assert all(k.startswith("lycoris_transformer_blocks_") for k in tensors)
-    orig = to_original(model.state_dict(), model.config)
-    applied = _apply_diffusers_names(orig, tensors, model.config)
-    _assert_close(convert_sd3_transformer_checkpoint_to_diffusers(applied), merged)
-
-
-def test_loha_and_lokr_in_the_diffusers_layout_equal_peft_merge(base):
-    _, model = base
-    targets = [*get_family("sd3").default_lora_targets, *EVERYWHERE]
-    for config in (
-        LoHaConfig(r=RANK, alpha=ALPHA, target_modules=targets),
-        LoKrConfig(r=RANK, alpha=ALPHA, target_modules=targets),
-    ):
-        state, merged = _adapt(model, config)
-        tensors = lycoris_keys(state, ALPHA, RANK, layout="diffusers")
-        orig = to_original(model.state_dict(), model.config)
-        applied = _apply_diffusers_names(orig, tensors, model.config)
-        _assert_close(convert_sd3_transformer_checkpoint_to_diffusers(applied), merged)
-
-
-@pytest.mark.parametrize(
-    "kind", ["lora", "dora", "loha", "lokr-one-part", "loha-diffusers", "lokr-diffusers"]
-)
-def test_merge_adapter_file_reads_back_what_was_written(base, kind):
-    _, model = base
-    defaults = list(get_family("sd3").default_lora_targets)
-    targets = [*defaults, *EVERYWHERE]
-    layout = "diffusers" if kind.endswith("diffusers") else "original"
-    if kind in ("lora", "dora"):
-        config = LoraConfig(
-            r=RANK, lora_alpha=ALPHA, target_modules=targets, use_dora=kind == "dora"
-        )
-    elif kind.startswith("loha"):
-        config = LoHaConfig(r=RANK, alpha=ALPHA, target_modules=targets)
-    else:
-        one = ["to_q", *FF, "norm_out.linear", "norm1_context.linear"]
-        config = LoKrConfig(
-            r=RANK, alpha=ALPHA, target_modules=targets if layout == "diffusers" else one
-        )
-    state, merged = _adapt(model, config)
-    if kind in ("lora", "dora"):
-        tensors = kohya_lora(state, ALPHA, RANK)
-    else:
-        tensors = lycoris_keys(state, ALPHA, RANK, layout=layout)
-    plain = copy.deepcopy(model)
-    assert merge_adapter_file(tensors, plain) == len({k.split(".")[0] for k in tensors})
-    _assert_close(plain.state_dict(), merged)
-
-
 def test_foreign_weights_are_refused():
     with pytest.raises(KitError, match="not a LoRA weight"):
         kohya_lora({"transformer_blocks.0.attn.to_q.hada_w1_a": torch.zeros(2, 2)}, ALPHA, RANK)
     with pytest.raises(KitError, match="no module of the SD3 original"):
         kohya_lora({"transformer_blocks.0.attn.nope.lora_A.weight": torch.zeros(2, 2)}, ALPHA, RANK)
-    with pytest.raises(KitError, match="layout 'kohya'"):
-        lycoris_keys({}, ALPHA, RANK, layout="kohya")

@@ -57,7 +57,7 @@ def test_adapter_kind_trains_resumes_and_exports(tmp_path, make_config, kind, fo
 def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
     """The independent LyCORIS reader computes the same update as the layers that trained."""
     from kit.families import get_family
-    from kit.families.kohya import lycoris_keys as to_lycoris
+    from kit.families.adapter_keys import lycoris_keys as to_lycoris
     from kit.methods import get_method
     from tests.lycoris_reference import delta_weights
 

@@ -150,24 +150,34 @@ def test_the_export_loads_on_the_unquantized_base_and_verifies(int8_run):
 
 def test_nf4_without_cuda_names_int8():
     with pytest.raises(KitError, match="nf4 needs a CUDA GPU.*use base_quantization: int8"):
-        quant.check_quantization("nf4", "cpu", network_type="lora")
+        quant.check_quantization("nf4", "cpu", method=_method("lora"))
+
+
+def _method(kind: str, **fields):
+    from kit.config import Config
+    from kit.families import get_family
+    from kit.methods import get_method
+
+    extra = TEXTUAL_INVERSION if kind == "textual_inversion" else {"network_type": kind}
+    cfg = Config().replace(model_family="sdxl", **{**extra, **fields})
+    return get_method(cfg, get_family("sdxl", cfg))
 
 
 def test_what_cannot_train_on_a_quantized_base_is_refused():
     with pytest.raises(ConfigError, match="network_type full.*cannot take gradient steps"):
-        quant.check_quantization("int8", "cpu", network_type="full", whole_denoiser=True)
+        quant.check_quantization("int8", "cpu", method=_method("full"))
     with pytest.raises(ConfigError, match="dora.*use network_type lora"):
-        quant.check_quantization("fp8", "cpu", network_type="dora")
+        quant.check_quantization("fp8", "cpu", method=_method("dora"))
     with pytest.raises(ConfigError, match="loha sizes its factors"):
-        quant.check_quantization("nf4", "cuda", network_type="loha")
+        quant.check_quantization("nf4", "cuda", method=_method("loha"))
     with pytest.raises(KitError, match="under DeepSpeed"):
-        quant.check_quantization("int8", "cpu", network_type="lora", deepspeed=True)
+        quant.check_quantization("int8", "cpu", method=_method("lora"), deepspeed=True)
     with pytest.raises(ConfigError, match="unknown value 'int4'"):
         quant.check_quantization("int4", "cpu")
     # What does run: int8 and fp8 on the CPU, a frozen denoiser under textual inversion.
     for kind in ("none", "int8", "fp8"):
-        quant.check_quantization(kind, "cpu", network_type="lora")
-    quant.check_quantization("int8", "cpu", network_type="textual_inversion")
+        quant.check_quantization(kind, "cpu", method=_method("lora"))
+    quant.check_quantization("int8", "cpu", method=_method("textual_inversion"))
 
 
 def test_full_with_a_quantized_base_is_refused_before_loading(tmp_path, tiny_sd15, dataset):

@@ -21,7 +21,8 @@ from torch import nn
 
 from kit.config import Config, load_config
 from kit.errors import KitError
-from kit.families import Components, Family, get_family, ldm
+from kit.families import Components, Family, get_family
+from kit.families.identity import public_name
 from kit.families.loading import load_base
 from kit.io import atomic_dir, write_json, write_with
 from kit.methods import get_method
@@ -108,7 +109,7 @@ def merge(
             out if out.suffix == ".safetensors" else out / f"{_title(cfg)}-step{step}.safetensors"
         )
         state = family.single_file_state_dict(comps)
-        meta = {**model_spec(cfg, comps, state), **record}
+        meta = {**model_spec(cfg, family), **record}
         write_with(path, lambda tmp: save_file(state, str(tmp), metadata=meta))
         del state
         reloaded = family.single_file_pipeline(path, config_source)
@@ -273,12 +274,6 @@ def read_pipeline(family: Family, folder: Path) -> Any:
     return cls.from_pretrained(str(folder), **family.pipeline_kwargs)
 
 
-def _public(source: str) -> str:
-    """How metadata names a base: its hub id, or only the name of a local folder."""
-    local = Path(source)
-    return local.name if local.exists() else source
-
-
 def _title(cfg: Config) -> str:
     return Path(cfg.train.output_dir).name or "merged"
 
@@ -288,7 +283,7 @@ def merge_record(
 ) -> dict[str, str]:
     """What the kit merged, as metadata: no local path (a checkpoint is shared)."""
     return {
-        "kit.base_model": _public(base),
+        "kit.base_model": public_name(base),
         "kit.model_family": family.name,
         "kit.network_type": cfg.network.network_type,
         "kit.trigger_words": json.dumps(cfg.data.trigger_words),
@@ -298,17 +293,18 @@ def merge_record(
     }
 
 
-def model_spec(cfg: Config, comps: Components, state: dict[str, torch.Tensor]) -> dict[str, str]:
-    """The ModelSpec fields of a single-file checkpoint that clients show and sort by."""
-    prediction = comps.noise_scheduler.config.get("prediction_type", "epsilon")
+def model_spec(cfg: Config, family: Family) -> dict[str, str]:
+    """The ModelSpec fields of a single-file checkpoint that clients show and sort by: the
+    family's own (architecture, prediction type), in the original layout's implementation."""
     side = cfg.data.resolution
+    version = family.version_metadata()
     return {
-        "modelspec.sai_model_spec": "1.0.0",
-        "modelspec.architecture": ldm.architecture(ldm.layout_of(state), prediction),
-        "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
+        **{k: v for k, v in version.items() if k.startswith("modelspec.")},
+        "modelspec.sai_model_spec": "1.0.1",
+        "modelspec.implementation": family.single_file_implementation
+        or family.modelspec_implementation,
         "modelspec.title": _title(cfg),
         "modelspec.resolution": f"{side}x{side}",
-        "modelspec.prediction_type": "v" if prediction == "v_prediction" else "epsilon",
         "modelspec.trigger_phrase": ", ".join(cfg.data.trigger_words),
     }
 

@@ -40,10 +40,10 @@ def family_names() -> list[str]:
 
 # Modules of this package that are shared machinery, not a family.
 _SHARED = {
+    "adapter_keys",
     "base",
     "flux_layout",
     "identity",
-    "kohya",
     "ldm",
     "loading",
     "noise",

@@ -17,7 +17,7 @@ from torch import nn
 
 from kit.config import Config
 from kit.errors import KitError
-from kit.families import kohya, ldm
+from kit.families.adapter_keys import lora_keys
 from kit.families.identity import (
     DtypeSpec,
     PartSource,
@@ -28,6 +28,7 @@ from kit.families.identity import (
     require_tokenizers,
     single_file,
 )
+from kit.families.ldm import unet_module_names
 from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
 from kit.families.shipped import SHIPPED
 
@@ -103,7 +104,7 @@ def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tens
 def ldm_aliases(unet_config: Any) -> dict[str, str]:
     """What ComfyUI derives from an SD UNet's config (`unet_to_diffusers`): each diffusers
     weight key → the same weight's key in the original layout."""
-    return {f"{d}.weight": f"{o}.weight" for d, o in ldm.unet_module_names(unet_config).items()}
+    return {f"{d}.weight": f"{o}.weight" for d, o in unet_module_names(unet_config).items()}
 
 
 def flow_sampling(sampling: str, loss_weighting: str) -> str:
@@ -163,6 +164,8 @@ class Family(ABC):
     """`modelspec.architecture` of the base (the adapter's kind is appended: `…/lora`)."""
     modelspec_implementation: str = "diffusers"
     """`modelspec.implementation`: whose module naming the kohya file's keys follow."""
+    single_file_implementation: str = ""
+    """The same for a merged single-file checkpoint (its original layout); empty: as above."""
     pipeline_class: str = "StableDiffusionPipeline"
     """The diffusers pipeline class that samples this family (and saves its LoRA files)."""
     pipeline_kwargs: dict[str, Any] = {}
@@ -543,7 +546,7 @@ class Family(ABC):
     ) -> dict[str, torch.Tensor]:
         """The denoiser's LoRA / DoRA weights in the kohya naming that A1111, Forge and ComfyUI
         load (families whose original layout fuses modules override this)."""
-        return kohya.lora_keys(state, self.kohya_prefix, alpha, self.kohya_module)
+        return lora_keys(state, self.kohya_prefix, alpha, self.kohya_module)
 
     def client_models(self, comps: Components) -> dict[str, Any]:
         """The loaded model as each client that reads this family's kohya files holds it:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import flux_layout, kohya, register, tiny
+from kit.families import adapter_keys, flux_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
 from kit.families.shipped import config_source
@@ -88,10 +88,14 @@ class Flux(Family):
         t, clip = comps.denoiser, comps.text_encoders[0]
         config = dict(t.config)
         model = {
-            **kohya.prefixed("diffusion_model.", flux_layout.to_original(t.state_dict(), config)),
-            **kohya.clip_state(clip, "clip_l.transformer."),
+            **adapter_keys.prefixed(
+                "diffusion_model.", flux_layout.to_original(t.state_dict(), config)
+            ),
+            **adapter_keys.clip_state(clip, "clip_l.transformer."),
         }
-        aliases = kohya.offset_aliases(flux_layout.module_map(config), flux_layout.SWAPPED_HALVES)
+        aliases = adapter_keys.offset_aliases(
+            flux_layout.module_map(config), flux_layout.SWAPPED_HALVES
+        )
         return {"ComfyUI": (model, aliases)}
 
     def single_file_state_dict(self, comps):

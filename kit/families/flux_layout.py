@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kit.errors import KitError
-from kit.families import kohya
+from kit.families import adapter_keys
 
 KOHYA_PREFIX = "lora_unet"
 """Key prefix of sd-scripts' Flux LoRA modules (the one ComfyUI matches to its own weights)."""
@@ -404,6 +404,6 @@ def lycoris_keys(
 
     ComfyUI's `model_lora_keys_unet` (and Forge's copy of it) maps these names through
     `flux_to_diffusers` onto the original weights, with the row offset of a fused part (and the
-    halves swapped for `norm_out.linear`); alpha is folded as `kit.families.kohya` folds it.
+    halves swapped for `norm_out.linear`); alpha is folded as `kit.families.adapter_keys` folds it.
     """
-    return kohya.lycoris_keys(dict(peft_state), alpha, rank, LYCORIS_PREFIX, lycoris_module)
+    return adapter_keys.lycoris_keys(dict(peft_state), alpha, rank, LYCORIS_PREFIX, lycoris_module)

@@ -45,13 +45,6 @@ LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
 }
 """The structural layouts a family can ask for, each with where its text encoders live."""
 
-ARCHITECTURES = {
-    # `modelspec.architecture` of a whole checkpoint, as the ModelSpec ids name them.
-    "sd1": "stable-diffusion-v1",
-    "sd2": "stable-diffusion-v2-512",
-    "sdxl": "stable-diffusion-xl-v1-base",
-}
-
 _DOWN_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
 _UP_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
 _MID_TYPES = ("UNetMidBlock2DCrossAttn",)
@@ -496,13 +489,6 @@ def load_pipeline(
     return cls.from_single_file(str(path), config=str(config_source), **kwargs)
 
 
-def architecture(layout: str, prediction_type: str = "epsilon") -> str:
-    """`modelspec.architecture` of a checkpoint in `layout`."""
-    if layout == "sd2" and prediction_type == "v_prediction":
-        return "stable-diffusion-v2-768-v"
-    return ARCHITECTURES[layout]
-
-
 def open_clip_text(config: Any) -> bool:
     """Whether a transformers CLIP text config is an OpenCLIP model (SD2's ViT-H, SDXL's
     ViT-bigG): OpenCLIP uses exact GELU, OpenAI's CLIP (SD1's ViT-L) its quick approximation."""
@@ -510,11 +496,9 @@ def open_clip_text(config: Any) -> bool:
 
 
 __all__ = [
-    "ARCHITECTURES",
     "LAYOUTS",
     "UNET_PREFIX",
     "VAE_PREFIX",
-    "architecture",
     "clip_to_ldm",
     "components_state_dict",
     "layout_of",

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -73,15 +74,6 @@ NF4_BLOCK = 64
 
 SCALE_BLOCK = 256
 """nf4 scales per second-level fp32 scale (bitsandbytes' double quantization)."""
-
-PACKED_SHAPE = {"nf4": ("loha", "lokr")}
-"""Network types that cannot train on a kind: LoHa and LoKr size their factors from the base
-weight's shape, which bitsandbytes packs into a column of bytes."""
-
-NO_DORA = ("int8", "fp8")
-"""Kinds on which DoRA cannot train: DoRA reads the base weight to normalise its rows, and peft
-0.21 unpacks quantized weights only of bitsandbytes and torchao (a quanto weight refuses the cast
-DoRA makes in a half-precision run)."""
 
 
 @dataclass
@@ -117,14 +109,13 @@ def check_quantization(
     kind: str,
     device: torch.device | str,
     *,
-    network_type: str = "",
-    whole_denoiser: bool = False,
+    method: Any = None,
     deepspeed: bool = False,
 ) -> None:
     """Refuse a `base_quantization` this run cannot use, before anything is loaded.
 
-    `network_type` and `whole_denoiser` describe the run's method: a denoiser that trains whole
-    cannot be stored quantized (its weights must take gradient steps). `deepspeed`: the run is
+    `method` (a `kit.methods` method) says what it cannot train on (`quantization_refusal`),
+    e.g. a denoiser that trains whole, whose weights must take gradient steps. `deepspeed`: the run is
     launched under DeepSpeed, whose engine re-places every weight of the model it wraps, which
     optimum-quanto's weights refuse ("Couldn't swap QLinear.weight").
     """
@@ -134,24 +125,9 @@ def check_quantization(
         )
     if kind == "none":
         return
-    if whole_denoiser:
-        raise ConfigError(
-            f"base_quantization: {kind} with network_type {network_type or 'full'}: the "
-            "denoiser's own weights train, and quantized weights cannot take gradient steps; "
-            "set base_quantization: none, or train an adapter (network_type: lora)"
-        )
-    if network_type in PACKED_SHAPE.get(kind, ()):
-        raise ConfigError(
-            f"base_quantization: {kind} with network_type {network_type}: {network_type} sizes "
-            "its factors from the base weight's shape, which the 4-bit format packs; use "
-            "network_type lora or dora, or base_quantization: int8"
-        )
-    if network_type == "dora" and kind in NO_DORA:
-        raise ConfigError(
-            f"base_quantization: {kind} with network_type dora: DoRA normalises each row by the "
-            "base weight, which peft cannot unpack from an optimum-quanto weight; use "
-            "network_type lora, or base_quantization: nf4 (CUDA), or none"
-        )
+    why = method.quantization_refusal(kind) if method is not None else None
+    if why:
+        raise ConfigError(f"base_quantization: {kind} with network_type {method.name}: {why}")
     if deepspeed:
         raise KitError(
             f"base_quantization: {kind} under DeepSpeed: its engine re-places every weight of "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kit.families import kohya, ldm, register, tiny
+from kit.families import adapter_keys, ldm, register, tiny
 from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.shipped import config_source
@@ -22,6 +22,7 @@ class SD15(Family):
     kohya_text_prefixes = ("lora_te",)
     base_model_version = "sd_v1"
     modelspec_architecture = "stable-diffusion-v1"
+    single_file_implementation = "https://github.com/Stability-AI/generative-models"
     pipeline_class = "StableDiffusionPipeline"
     default_guidance_scale = 7.5  # StableDiffusionPipeline's default
     pipeline_kwargs = {"safety_checker": None, "requires_safety_checker": False}
@@ -190,15 +191,15 @@ class SD15(Family):
         original = ldm.unet_to_ldm(unet.state_dict(), unet.config)
         clip = "clip_h" if ldm.open_clip_text(enc.config) else "clip_l"
         kohya_model = {
-            **kohya.prefixed("unet.", unet.state_dict()),
-            **kohya.clip_state(enc, "text_encoder."),
+            **adapter_keys.prefixed("unet.", unet.state_dict()),
+            **adapter_keys.clip_state(enc, "text_encoder."),
         }
         per_block = unet.config.layers_per_block
         return {
             "ComfyUI": (
                 {
-                    **kohya.prefixed("diffusion_model.", original),
-                    **kohya.clip_state(enc, f"{clip}.transformer."),
+                    **adapter_keys.prefixed("diffusion_model.", original),
+                    **adapter_keys.clip_state(enc, f"{clip}.transformer."),
                 },
                 ldm_aliases(unet.config),
             ),

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kit.families import kohya, register, sd3_layout, tiny
+from kit.families import adapter_keys, register, sd3_layout, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
 
@@ -219,12 +219,14 @@ class SD3(Family):
         config = dict(t.config)
         clip_l, clip_g = comps.text_encoders[:2]
         model = {
-            **kohya.prefixed("diffusion_model.", sd3_layout.to_original(t.state_dict(), config)),
-            **kohya.clip_state(clip_l, "clip_l.transformer."),
-            **kohya.clip_state(clip_g, "clip_g.transformer."),
+            **adapter_keys.prefixed(
+                "diffusion_model.", sd3_layout.to_original(t.state_dict(), config)
+            ),
+            **adapter_keys.clip_state(clip_l, "clip_l.transformer."),
+            **adapter_keys.clip_state(clip_g, "clip_g.transformer."),
         }
         swapped = sd3_layout.swapped_modules(config)
-        aliases = kohya.offset_aliases(sd3_layout.module_map(config), swapped)
+        aliases = adapter_keys.offset_aliases(sd3_layout.module_map(config), swapped)
         return {"ComfyUI": (model, aliases)}
 
     def single_file_state_dict(self, comps):

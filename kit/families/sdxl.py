@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kit.families import kohya, ldm, register, tiny
+from kit.families import adapter_keys, ldm, register, tiny
 from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.shipped import config_source
@@ -271,14 +271,14 @@ class SDXL(Family):
         original = ldm.unet_to_ldm(unet.state_dict(), unet.config)
         # sd-scripts' SDXL UNet (and LyCORIS on it) uses the LDM names.
         kohya_model = {
-            **kohya.prefixed("unet.", original),
-            **kohya.clip_state(te1, "text_encoder1."),
-            **kohya.clip_state(te2, "text_encoder2."),
+            **adapter_keys.prefixed("unet.", original),
+            **adapter_keys.clip_state(te1, "text_encoder1."),
+            **adapter_keys.clip_state(te2, "text_encoder2."),
         }
         comfy = {
-            **kohya.prefixed("diffusion_model.", original),
-            **kohya.clip_state(te1, "clip_l.transformer."),
-            **kohya.clip_state(te2, "clip_g.transformer."),
+            **adapter_keys.prefixed("diffusion_model.", original),
+            **adapter_keys.clip_state(te1, "clip_l.transformer."),
+            **adapter_keys.clip_state(te2, "clip_g.transformer."),
         }
         return {
             "ComfyUI": (comfy, ldm_aliases(unet.config)),

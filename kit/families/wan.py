@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kit.families import kohya, register, tiny, wan_layout
+from kit.families import adapter_keys, register, tiny, wan_layout
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import saved_scheduler
 
@@ -68,7 +68,7 @@ class Wan(Family):
         # ComfyUI holds Wan in its original layout and reads LoRA by those names only.
         t = comps.denoiser
         original = wan_layout.to_original(t.state_dict(), dict(t.config))
-        return {"ComfyUI": (kohya.prefixed("diffusion_model.", original), None)}
+        return {"ComfyUI": (adapter_keys.prefixed("diffusion_model.", original), None)}
 
     def single_file_state_dict(self, comps):
         # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kit.errors import KitError
-from kit.families import kohya
+from kit.families import adapter_keys
 
 
 def _block_table() -> dict[str, str]:
@@ -172,7 +172,7 @@ def kohya_lora(
     musubi-tuner always trains them.
     """
     del rank  # the readers take each module's rank from its tensors
-    return kohya.lora_keys(peft_state, prefix, alpha, original_name)
+    return adapter_keys.lora_keys(peft_state, prefix, alpha, original_name)
 
 
 def lycoris_keys(
@@ -180,4 +180,4 @@ def lycoris_keys(
 ) -> dict[str, torch.Tensor]:
     """peft LoHa / LoKr weights of the Wan transformer → LyCORIS keys in musubi-tuner's naming
     (`lora_unet_blocks_0_self_attn_q.hada_w1_a`, ..., `.alpha`), the update unchanged."""
-    return kohya.lycoris_keys(peft_state, alpha, rank, prefix, original_name)
+    return adapter_keys.lycoris_keys(peft_state, alpha, rank, prefix, original_name)

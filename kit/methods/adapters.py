@@ -18,7 +18,7 @@ from torch import nn
 
 from kit.config import Config
 from kit.errors import ConfigError
-from kit.families import Components, Family, kohya
+from kit.families import Components, Family, adapter_keys
 from kit.io import write_with
 from kit.methods import register
 from kit.methods.base import (
@@ -250,7 +250,7 @@ class Adapter(Method):
         for k, v in weights.items():
             head, _, rest = k.partition(".")
             if head in text:
-                parts[head][kohya.clip_key(rest)] = v
+                parts[head][adapter_keys.clip_key(rest)] = v
             else:
                 parts["denoiser"][k] = v
         return parts
@@ -263,7 +263,7 @@ class Adapter(Method):
         subs = list(self.family.text_subfolders)
         for sub, state in parts.items():
             prefix = self.family.kohya_text_prefixes[subs.index(sub)]
-            out.update(kohya.lora_keys(state, prefix, alpha))
+            out.update(adapter_keys.lora_keys(state, prefix, alpha))
         return out
 
     def kohya_apply(self) -> Apply | None:
@@ -388,6 +388,17 @@ class Dora(Lora):
         formats = self.family.export_formats
         return formats if self.family.kohya_dora else tuple(f for f in formats if f != "kohya")
 
+    def quantization_refusal(self, kind: str) -> str | None:
+        if kind in ("int8", "fp8"):
+            # DoRA reads the base weight to normalise its rows; peft unpacks quantized weights
+            # only of bitsandbytes and torchao (a quanto weight refuses DoRA's half cast).
+            return (
+                "DoRA normalises each row by the base weight, which peft cannot unpack from an "
+                "optimum-quanto weight; use network_type lora, or base_quantization: nf4 (CUDA), "
+                "or none"
+            )
+        return super().quantization_refusal(kind)
+
     def client_gaps(self) -> dict[str, str]:
         way_out = "for a plain LoRA that loads everywhere: kit resize RUN --rank R"
         return {
@@ -427,10 +438,19 @@ class Lycoris(Adapter):
     def kohya_tensors(self, weights):
         rank = int(self.cfg.network.lora_rank)
         prefix, rename = self.family.lycoris_naming()
-        return kohya.lycoris_keys(weights, float(self.alpha()), rank, prefix, rename)
+        return adapter_keys.lycoris_keys(weights, float(self.alpha()), rank, prefix, rename)
 
     def kohya_apply(self) -> Apply | None:
         return None  # diffusers reads no LyCORIS file: the client checks decide
+
+    def quantization_refusal(self, kind: str) -> str | None:
+        if kind == "nf4":
+            # bitsandbytes packs a 4-bit weight into a column of bytes.
+            return (
+                f"{self.name} sizes its factors from the base weight's shape, which the 4-bit "
+                "format packs; use network_type lora or dora, or base_quantization: int8"
+            )
+        return super().quantization_refusal(kind)
 
     def client_gaps(self) -> dict[str, str]:
         return {

@@ -90,6 +90,16 @@ class Method:
         """The trained parameters, in a fixed order."""
         return [p for m in comps.frozen_modules() for p in m.parameters() if p.requires_grad]
 
+    def quantization_refusal(self, kind: str) -> str | None:
+        """Why this method cannot train on a base stored as `kind` (`base_quantization`), and
+        what to do instead; None when it can. A method that trains the whole denoiser cannot."""
+        if self.whole_denoiser:
+            return (
+                "the denoiser's own weights train, and quantized weights cannot take gradient "
+                "steps; set base_quantization: none, or train an adapter (network_type: lora)"
+            )
+        return None
+
     def param_groups(self, comps: Components) -> list[dict[str, Any]]:
         """The trained parameters as optimizer groups, in `parameters`' order; a group's `lr`,
         where given, overrides the configured learning rate."""

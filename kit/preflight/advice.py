@@ -76,7 +76,7 @@ def _drops_t5(cfg: Config) -> bool:
 def _accepted(kind: str, method: Method) -> bool:
     """Whether training takes `base_quantization: kind` with this method (on a CUDA GPU)."""
     try:
-        check_quant(kind, method.name, method.whole_denoiser)
+        check_quant(kind, method)
     except ConfigError:
         return False
     return True

@@ -247,7 +247,7 @@ def estimate(
         base_quantization or m.base_quantization,
         t.blocks_to_swap if blocks_to_swap is None else blocks_to_swap,
     )
-    check_quant(storage.quantization, method.name, method.whole_denoiser)
+    check_quant(storage.quantization, method)
     shape = Shape(height, width, batch_size or t.train_batch_size, bool(ckpt), precision, accum > 1)
     return from_trace(
         cfg,
@@ -346,9 +346,9 @@ def from_trace(
         "cached_batch": 2 * tr["inputs_bytes"],  # the entries read, and the batch stacked
         "ema": ema_move,
     }
-    host_phase = "loading" if sum(loading.values()) >= sum(training.values()) else "training"
+    host_phase = "load" if sum(loading.values()) >= sum(training.values()) else "training"
     host = {"process": HOST_PROCESS}
-    for phase_name, part in (("loading", loading), ("training", training)):
+    for phase_name, part in (("load", loading), ("training", training)):
         host.update({k: v if phase_name == host_phase else 0 for k, v in part.items()})
 
     notes = [
@@ -384,7 +384,7 @@ def from_trace(
             f"setting up needs more than the step: {setup['total'] / GIB:.2f} GiB while the "
             f"cache fills, with {setup['why']}"
         )
-    if host_phase == "loading":
+    if host_phase == "load":
         notes.append(
             f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB while the base loads: its "
             f"parts are read in the run's dtype ({loaded / GIB:.2f} GiB) before they move to the GPU"
@@ -419,7 +419,7 @@ def from_trace(
         "setup": setup["components"],
         "setup_bytes": setup["total"],
         "host_phase": host_phase,
-        "host_by_phase": {"loading": sum(loading.values()), "training": sum(training.values())},
+        "host_by_phase": {"load": sum(loading.values()), "training": sum(training.values())},
         "swap": plan,
         "swappable_blocks": len(inv["blocks"]),
         "cache_bytes_per_sample": tr["inputs_bytes"] // max(1, shape.batch),

@@ -19,6 +19,8 @@ The refusals mirror the trainer's, so the estimator never prices a run that woul
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -79,13 +81,11 @@ def block_inventory(family: Family, denoiser: nn.Module) -> list[int]:
 # ---------------------------------------------------------------- refusals (as the trainer's)
 
 
-def check_quant(kind: str, network_type: str, whole_denoiser: bool) -> None:
+def check_quant(kind: str, method: Any) -> None:
     """Refuse a `base_quantization` the trainer refuses for this method (kit.families.quantize),
     whatever machine it is estimated on: a missing library or a CPU here is not a refusal."""
     try:
-        quant.check_quantization(
-            kind, "cuda", network_type=network_type, whole_denoiser=whole_denoiser
-        )
+        quant.check_quantization(kind, "cuda", method=method)
     except ConfigError:
         raise
     except KitError:

@@ -56,8 +56,7 @@ def prepare(
     quant.check_quantization(
         kind,
         device,
-        network_type=method.name,
-        whole_denoiser=method.whole_denoiser,
+        method=method,
         deepspeed=deepspeed_launch(),
     )
 

@@ -46,7 +46,7 @@ map each diffusers weight onto the original one, either whole or as a row slice
 `(key, (0, offset, rows))` of a fused weight (q, k, v of `qkv`; q, k, v and the MLP input of
 `linear1`), some with `swap_scale_shift` (Flux's and SD3's `norm_out.linear`, SD3's last
 `norm1_context.linear`). An alias value here is that entry: a key, or
-`(key, offset, rows[, swap])` (`kit.families.kohya.offset_aliases` builds them from the kit's layout maps).
+`(key, offset, rows[, swap])` (`kit.families.adapter_keys.offset_aliases` builds them from the kit's layout maps).
 
 * Names (`model_lora_keys_unet`). Flux: `transformer.<path>`, `lycoris_<path with _>`,
   `lora_transformer_<path with _>` and the bare `<path>`, plus
