@@ -143,6 +143,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise ConfigError(
             errors[-1] if len(errors) == 1 else f"{key}: {value!r} has the wrong type"
         )
+    if dataclasses.is_dataclass(tp):
+        return _coerce_record(key, value, tp)
     if origin is Literal:
         if value not in args:
             hint = did_you_mean(str(value), [str(a) for a in args])
@@ -173,6 +175,49 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported type {_type_name(tp)}")
+
+
+def _coerce_record(key: str, value: Any, tp: type) -> Any:
+    """An entry of a list of records (a dataset, a validation prompt) from its object: strict
+    keys and types like the config's own, and its checks' messages prefixed by where it is."""
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{key}: expected an object of fields, got {type(value).__name__} {value!r}"
+        )
+    names = [f.name for f in dataclasses.fields(tp)]
+    hints = typing.get_type_hints(tp)
+    where = key + (
+        f" ({value['name']})" if isinstance(value.get("name"), str) and value.get("name") else ""
+    )
+    vals = {}
+    for sub, v in value.items():
+        if sub.startswith("_"):
+            continue
+        if sub not in names:
+            raise ConfigError(_unknown(sub, names, f" in {where}"))
+        vals[sub] = _coerce(f"{where}.{sub}", v, hints[sub])
+    try:
+        return tp(**vals)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _resolve_paths(value: Any, base_dir: str | Path) -> Any:
+    """A record (or list of records) with its path fields made absolute from `base_dir`."""
+    if isinstance(value, list):
+        return [_resolve_paths(v, base_dir) for v in value]
+    if not dataclasses.is_dataclass(value):
+        return value
+    changes = {}
+    for f in dataclasses.fields(value):
+        v = getattr(value, f.name)
+        if f.metadata.get("path") and v:
+            changes[f.name] = str(absolute_path(v, base_dir))
+        elif dataclasses.is_dataclass(v) or isinstance(v, list):
+            changes[f.name] = _resolve_paths(v, base_dir)
+    return dataclasses.replace(value, **changes) if changes else value
 
 
 def flat_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -234,6 +279,8 @@ def from_dict(raw: dict[str, Any], base_dir: str | Path | None = None) -> Config
         value = _coerce(key, value, hints[sec][key])
         if base_dir is not None and f.metadata.get("path") and value:
             value = str(absolute_path(value, base_dir))
+        elif base_dir is not None and isinstance(value, list):
+            value = _resolve_paths(value, base_dir)
         per_section[sec][key] = value
     if base_dir is not None and "pretrained_model" in flat:
         per_section["model"]["pretrained_model"] = resolve_model_path(

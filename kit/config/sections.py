@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Literal
 
 from PIL import ImageColor
@@ -49,6 +50,112 @@ class ModelConfig:
 
 
 @dataclass
+class GenerateConfig:
+    count: int = 0
+    """Class images to draw with the base model before training (0: none)."""
+    prompt: str = ""
+    """The class prompt they are drawn with, e.g. `a photo of a dog`; also their caption."""
+    negative_prompt: str = ""
+    """Negative prompt for the drawing."""
+    num_inference_steps: int = 0
+    """Sampler steps per image; 0 takes `validation_num_inference_steps`."""
+    guidance_scale: float | None = None
+    """Guidance scale; empty takes the family's default."""
+    seed: int = 0
+    """Image i is drawn with seed `seed + i`, so more images add to the ones already drawn."""
+
+    def __post_init__(self) -> None:
+        if self.count < 0 or self.num_inference_steps < 0:
+            raise ConfigError("count and num_inference_steps must be 0 or more")
+        if self.count and not self.prompt.strip():
+            raise ConfigError(f"prompt: class images to draw ({self.count}) need a prompt")
+
+
+@dataclass
+class DatasetConfig:
+    name: str = ""
+    """What reports call this dataset; empty takes its folder's name."""
+    image_dir: str = field(default="", metadata=PATH)
+    """Folder of this dataset's images (subfolders are read too)."""
+    caption_dir: str = field(default="", metadata=PATH)
+    """Folder of same-stem caption files; empty means captions lie beside the images."""
+    mask_dir: str | None = field(default=None, metadata=PATH)
+    """Folder of same-stem masks for `masked_loss`; empty takes the data section's."""
+    repeats: int = 1
+    """How many times each image trains per epoch (e.g. 3 for a small character set beside a
+    large regularisation set)."""
+    role: Literal["instance", "prior"] = "instance"
+    """`instance`: what the run teaches; `prior`: what must not change (regularisation or
+    class images), weighted by `loss_weight` and skipped by the trigger-word checks."""
+    loss_weight: float = 1.0
+    """Weight of this dataset's samples in the loss (DreamBooth's prior-preservation weight)."""
+    generate: GenerateConfig | None = None
+    """A prior dataset's class images drawn by the base model into `image_dir` before training
+    (`{"count": 200, "prompt": "a photo of a dog"}`); drawn once, kept like any image."""
+    caption_strategy: Literal["textfile", "filename", "instanceprompt"] | None = None
+    """Empty takes the data section's (as do the fields below)."""
+    caption_extension: str | None = None
+    instance_prompt: str | None = None
+    caption_shuffle: bool | None = None
+    keep_tokens: int | None = None
+    priority_tags: list[str] | None = None
+    tag_dropout: float | None = None
+    tag_count_range: list[int] | None = None
+    resolution: int | None = None
+    resolution_type: Literal["area", "pixel"] | None = None
+    max_aspect_ratio: float | None = None
+    buckets: list[list[int]] | None = None
+    center_crop: bool | None = None
+    alpha_background: str | None = None
+    min_image_size: int | None = None
+    max_upscale: float | None = None
+    num_frames: int | None = None
+    frame_stride: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.image_dir:
+            raise ConfigError("image_dir: every dataset needs its image folder")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats: {self.repeats} must be at least 1")
+        if not self.loss_weight >= 0 or self.loss_weight == float("inf"):
+            raise ConfigError(f"loss_weight: {self.loss_weight} must be 0 or more")
+        if self.generate is not None and self.generate.count and self.role != "prior":
+            raise ConfigError("generate: class images are drawn for a dataset of role prior")
+
+    def overrides(self) -> dict[str, object]:
+        """The data-section fields this dataset sets for itself."""
+        own = {"name", "image_dir", "caption_dir", "mask_dir", "repeats", "role", "loss_weight"}
+        out: dict[str, object] = {
+            f.name: getattr(self, f.name)
+            for f in dataclass_fields(self)
+            if f.name not in own | {"generate"} and getattr(self, f.name) is not None
+        }
+        if self.mask_dir is not None:
+            out["mask_dir"] = self.mask_dir
+        return out
+
+
+@dataclass
+class ValidationPrompt:
+    prompt: str = ""
+    """The prompt."""
+    negative_prompt: str | None = None
+    """Its negative prompt; empty takes `validation_negative_prompt`."""
+    guidance_scale: float | None = None
+    """Its guidance scale; empty takes `validation_guidance_scale`, else the family's default."""
+    num_inference_steps: int | None = None
+    """Its sampler steps; empty takes `validation_num_inference_steps`."""
+    seed: int | None = None
+    """One image with this seed; empty draws one per `validation_seeds`."""
+    width: int | None = None
+    """Image width in pixels; empty takes `validation_resolution`."""
+    height: int | None = None
+    """Image height in pixels; empty takes `validation_resolution`."""
+    scheduler: str | None = None
+    """The sampler to draw with; empty keeps the base model's scheduler."""
+
+
+@dataclass
 class DataConfig:
     data_backend: Literal["local"] = "local"
     """Where images are read from; `local` is a folder on this machine."""
@@ -79,6 +186,11 @@ class DataConfig:
     """Crop to the bucket at the centre; false crops at a seeded random offset."""
     cache_dir: str = field(default="", metadata=PATH)
     """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
+    cache_format: Literal["files", "shards"] = "files"
+    """How cache entries are stored: one safetensors file per entry (`files`), or packed into
+    shard files with an index (`shards`: a few files for a large dataset)."""
+    cache_compression: Literal["none", "zlib"] = "none"
+    """`shards`: compress each entry (smaller cache, a little slower to read)."""
     latent_sampling: Literal["mean", "sample"] = "mean"
     """What the cache keeps of the VAE's posterior: its `mean`, or one `sample` per image
     (seeded by `seed` and the image, as kohya and diffusers' caching scripts draw). A single cached
@@ -95,6 +207,14 @@ class DataConfig:
     """Take every n-th frame of a clip (video families)."""
     frame_start: Literal["first", "center", "random"] = "first"
     """Where in a longer clip the frames start: at the beginning, centred, or seeded random."""
+    frame_sampling: Literal["head", "uniform", "chunk", "slide"] = "head"
+    """How training windows of `num_frames` are taken from a clip: one window (`head`, placed
+    by `frame_start`), `frame_windows` windows spread evenly (`uniform`), back-to-back windows
+    (`chunk`), or windows every `window_stride` frames (`slide`)."""
+    frame_windows: int = 1
+    """`uniform`: windows per clip; `chunk` / `slide`: the most windows per clip (0: all)."""
+    window_stride: int = 0
+    """`slide`: frames between the starts of consecutive windows; 0 takes the window's span."""
     caption_shuffle: bool = False
     """Shuffle a caption's comma-separated tags each time it is used (after `keep_tokens`)."""
     keep_tokens: int = 0
@@ -117,6 +237,17 @@ class DataConfig:
     random_flip: bool = False
     """Mirror images horizontally, each epoch a seeded coin per image (both orientations are
     cached; SDXL's crop conditioning is mirrored with them)."""
+    masked_loss: bool = False
+    """Weight the loss by a mask: white trains, black is ignored. The mask is the image's alpha
+    channel, or a same-stem image in `mask_dir`; it is cropped, flipped and resized with the
+    image to the latent grid."""
+    mask_dir: str = field(default="", metadata=PATH)
+    """Folder of same-stem mask images (greyscale; white = learn) for `masked_loss`; empty
+    takes each image's alpha channel."""
+    datasets: list[DatasetConfig] = field(default_factory=list)
+    """Several image folders in one run, each with its own `repeats`, `role`, `loss_weight`
+    and, where they differ, caption settings and resolution (see `DatasetConfig`); empty
+    trains on `image_dir` alone. With datasets, `image_dir` and `caption_dir` stay empty."""
     small_bucket_policy: Literal["keep", "drop", "repeat", "merge"] = "keep"
     """A bucket with fewer images than one effective batch (batch × accumulation × processes):
     `keep` it, its images in a short batch (as kohya's trainer does), `repeat` its images to fill
@@ -173,6 +304,13 @@ class DataConfig:
                 )
         if self.max_upscale < 1.0:
             raise ConfigError(f"max_upscale: {self.max_upscale} must be at least 1.0")
+        if self.datasets and (self.image_dir or self.caption_dir):
+            raise ConfigError(
+                "datasets: with a list of datasets, image_dir and caption_dir go in each entry "
+                f"(image_dir is {self.image_dir!r})"
+            )
+        if self.frame_windows < 0 or self.window_stride < 0:
+            raise ConfigError("frame_windows and window_stride must be 0 or more")
 
 
 @dataclass
@@ -332,6 +470,9 @@ class TrainConfig:
     """Compute precision; falls back to fp32 with a warning where the hardware lacks it."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about 30% slower."""
+    compile: bool = False
+    """Compile the denoiser with `torch.compile`: faster steps after a warm-up of a minute or
+    more (reported in the log); each new bucket shape compiles once more."""
     blocks_to_swap: int = 0
     """Keep this many of the denoiser's transformer blocks in CPU memory and bring each to the
     GPU only for its forward and backward (Flux, SD3, Wan): less VRAM, slower steps."""
@@ -382,6 +523,10 @@ class ValidationConfig:
     """Sample the validation prompts every this many steps (0: only at the end)."""
     validation_prompt: list[str] = field(default_factory=list)
     """Prompts to sample (a string or a list); empty uses a few training captions."""
+    validation_prompts: list[ValidationPrompt] = field(default_factory=list)
+    """Prompts with settings of their own (`[{"prompt": ..., "negative_prompt": ...,
+    "guidance_scale": ..., "num_inference_steps": ..., "seed": ..., "width": ..., "height": ...,
+    "scheduler": ...}]`), drawn after the `validation_prompt` ones."""
     validation_negative_prompt: str = ""
     """Negative prompt for every validation image."""
     validation_seeds: list[int] = field(default_factory=lambda: [0, 1])

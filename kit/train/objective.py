@@ -21,15 +21,31 @@ def denoising_loss(
     device: torch.device | str,
 ) -> torch.Tensor:
     """The per-element loss (`loss_type`) between the denoiser's output and the family's
-    target, averaged per sample, then weighted per sample (min-SNR, flow weighting)."""
+    target, averaged per sample, then weighted per sample (min-SNR, flow weighting, and the
+    sample's dataset `loss_weight`).
+
+    A batch's `loss_mask` (masked loss: (B, 1, h, w), or (B, 1, F, h, w) for clips, on the
+    latent grid) weights the elements; each sample's loss is then the mean over its mask, so a
+    small subject trains as strongly as a large one. A batch's `loss_weight` (B,) scales each
+    sample (a prior dataset's prior-preservation weight)."""
     o = family.cfg.objective
     batch = {k: v.to(device) for k, v in batch.items()}
     latents = batch.pop("latents")
+    mask = batch.pop("loss_mask", None)
+    sample_weight = batch.pop("loss_weight", None)
     draw = family.noise_and_target(comps, latents, generator)
     pred = family.predict(comps, draw.noisy, draw.timesteps, batch)
-    per_sample = elementwise_loss(pred, draw.target, o.loss_type, o.huber_c).flatten(1).mean(1)
+    elements = elementwise_loss(pred, draw.target, o.loss_type, o.huber_c)
+    if mask is None:
+        per_sample = elements.flatten(1).mean(1)
+    else:
+        weights = mask.float().expand_as(elements).flatten(1)
+        total = (elements.flatten(1) * weights).sum(1)
+        per_sample = total / weights.sum(1).clamp_min(1e-6)
     if draw.weight is not None:
         per_sample = per_sample * draw.weight.to(per_sample)
+    if sample_weight is not None:
+        per_sample = per_sample * sample_weight.to(per_sample)
     return per_sample.mean()
 
 
