@@ -37,6 +37,8 @@ class Sample:
     """Frames the clip holds."""
     clip: bool = False
     """True for a clip (even one of a single frame), False for a still image."""
+    dataset: int = 0
+    """Index of the dataset (in `datasets`) the sample comes from; 0 for a single folder."""
 
 
 @dataclass
