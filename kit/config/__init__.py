@@ -20,12 +20,28 @@ from typing import Any, Literal
 
 from kit.config.sections import (
     DataConfig,
+    DatasetConfig,
+    GenerateConfig,
     ModelConfig,
     NetworkConfig,
     ObjectiveConfig,
     TrainConfig,
     ValidationConfig,
+    ValidationPrompt,
 )
+
+__all__ = [
+    "Config",
+    "DataConfig",
+    "DatasetConfig",
+    "GenerateConfig",
+    "ModelConfig",
+    "NetworkConfig",
+    "ObjectiveConfig",
+    "TrainConfig",
+    "ValidationConfig",
+    "ValidationPrompt",
+]
 from kit.errors import ConfigError, did_you_mean
 from kit.io import absolute_path, read_json_or_yaml, write_json
 

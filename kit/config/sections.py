@@ -81,6 +81,9 @@ class DatasetConfig:
     """Folder of same-stem caption files; empty means captions lie beside the images."""
     mask_dir: str | None = field(default=None, metadata=PATH)
     """Folder of same-stem masks for `masked_loss`; empty takes the data section's."""
+    masked_loss: bool | None = None
+    """This dataset's images train with their masks, or (false) whole; empty takes the data
+    section's. A regularisation set without masks beside masked instance images sets false."""
     repeats: int = 1
     """How many times each image trains per epoch (e.g. 3 for a small character set beside a
     large regularisation set)."""
@@ -152,7 +155,23 @@ class ValidationPrompt:
     height: int | None = None
     """Image height in pixels; empty takes `validation_resolution`."""
     scheduler: str | None = None
-    """The sampler to draw with; empty keeps the base model's scheduler."""
+    """The sampler to draw with, built from the base model's own scheduler config: `euler`,
+    `euler_a`, `heun`, `dpm++_2m`, `dpm++_2m_karras`, `ddim`, `pndm`, `unipc`, `ddpm` (SD 1.5,
+    SDXL) or `flow_euler`, `flow_heun` (not Flux), `flow_unipc`, `flow_dpm++_2m` (SD3, Flux,
+    Wan); empty (or `default`) keeps the base model's scheduler. The sidecar names it as
+    `sampler` beside the scheduler config used."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt.strip():
+            raise ConfigError("prompt: a validation prompt entry needs a non-empty prompt")
+        if self.num_inference_steps is not None and self.num_inference_steps < 1:
+            raise ConfigError(f"num_inference_steps: {self.num_inference_steps} must be 1 or more")
+        for key in ("width", "height"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{key}: {value} must be a positive number of pixels")
+        if self.guidance_scale is not None and self.guidance_scale < 0:
+            raise ConfigError(f"guidance_scale: {self.guidance_scale} must be 0 or more")
 
 
 @dataclass
@@ -311,6 +330,11 @@ class DataConfig:
             )
         if self.frame_windows < 0 or self.window_stride < 0:
             raise ConfigError("frame_windows and window_stride must be 0 or more")
+        if self.frame_sampling == "uniform" and self.frame_windows == 0:
+            raise ConfigError(
+                "frame_windows: 0 means every window for chunk and slide; frame_sampling uniform "
+                "spreads a number of windows over each clip, so give it 1 or more"
+            )
 
 
 @dataclass

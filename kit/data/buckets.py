@@ -11,9 +11,10 @@ from typing import Any
 
 from kit.config import Config, DataConfig
 from kit.data import video
+from kit.data.datasets import views
 from kit.data.scan import Sample, ScanReport, load_samples
 from kit.errors import ConfigError, DataError
-from kit.families import get_family
+from kit.families import family_info
 
 
 def make_buckets(
@@ -105,12 +106,36 @@ def place(
         rng = random.Random(f"{seed}-{sample.image.as_posix()}")
         top, left = rng.randint(0, rh - bh), rng.randint(0, rw - bw)
     frames: tuple[int, ...] = ()
-    if sample.clip:
+    if sample.clip and sample.window_start is not None:
+        frames = video.window_frames(sample.window_start, sample.frames, frame_stride)
+    elif sample.clip:
         key = f"{seed}-{sample.image.as_posix()}-frames"
         frames = video.select_frames(
             sample.total_frames, sample.frames, frame_stride, frame_start, key
         )
     return Placement(bucket, (rw, rh), (top, left), (sample.width, sample.height), frames)
+
+
+def clip_windows(sample: Sample, cfg: DataConfig, seed: int) -> list[Sample]:
+    """The samples a clip trains as: one per window of `frame_sampling` (each with its
+    `window_start`), or the clip itself under `head` (its frames placed by `frame_start`).
+
+    An image, and a sample already split into windows, is returned as it is. `cfg` is the
+    sample's own dataset's data section, whose `frame_stride` `place` must use too.
+    """
+    if not sample.clip or sample.window_start is not None or cfg.frame_sampling == "head":
+        return [sample]
+    starts = video.window_starts(
+        sample.total_frames,
+        sample.frames,
+        cfg.frame_stride,
+        cfg.frame_sampling,
+        cfg.frame_windows,
+        cfg.window_stride,
+        cfg.frame_start,
+        f"{seed}-{sample.image.as_posix()}-frames",
+    )
+    return [replace(sample, window_start=b) for b in starts]
 
 
 def mirrored(p: Placement) -> Placement:
@@ -144,6 +169,8 @@ class BucketPlan:
     """Group → how many times each of its samples appears per epoch (absent: once)."""
     group_size: int = 1
     """Samples in one effective batch (batch × accumulation × processes)."""
+    dataset_repeats: list[int] = field(default_factory=lambda: [1])
+    """Per dataset (by `Sample.dataset`), how many times each of its samples trains per epoch."""
     flip_twins: bool = False
     """The second half of `samples` and `placements` mirrors the first, sample by sample (see
     `with_mirrored`): each epoch a seeded coin per sample picks which of the two trains."""
@@ -160,6 +187,14 @@ class BucketPlan:
     def frame_counts(self) -> dict[GroupKey, int]:
         """Samples per (width, height, frames): the groups batches are drawn from."""
         return dict(Counter(_group(p) for p in self.placements[: self.size]))
+
+    def repeats_of(self, i: int) -> int:
+        """How many times sample `i` trains per epoch by its dataset's `repeats`."""
+        return self.dataset_repeats[self.samples[i].dataset]
+
+    def occurrences(self, idx: list[int]) -> int:
+        """How many times these samples train per epoch, counting their datasets' repeats."""
+        return sum(self.repeats_of(i) for i in idx)
 
     def groups(self) -> dict[GroupKey, list[int]]:
         """Sample indices per group, in sample order (a twin's group is its sample's)."""
@@ -180,9 +215,14 @@ def with_mirrored(plan: BucketPlan) -> BucketPlan:
     )
 
 
-def flip_coin(seed: int, epoch: int, sample: Sample) -> bool:
-    """Whether `sample` trains mirrored in this epoch: a fair coin of its own per epoch."""
-    return random.Random(f"{seed}-epoch-{epoch}-flip-{sample.image.as_posix()}").random() < 0.5
+def flip_coin(seed: int, epoch: int, sample: Sample, repeat: int = 0) -> bool:
+    """Whether `sample` trains mirrored in this epoch: a fair coin of its own per epoch (and
+    per repeat, for a dataset with `repeats`)."""
+    again = f"-{repeat}" if repeat else ""
+    return (
+        random.Random(f"{seed}-epoch-{epoch}-flip-{sample.image.as_posix()}{again}").random()
+        < 0.5
+    )
 
 
 def _group(p: Placement) -> GroupKey:
@@ -213,25 +253,34 @@ def plan_buckets(
 ) -> BucketPlan:
     """Assign each sample a bucket and crop (and a clip its frames); drop what cannot train.
 
-    `group_size` is one effective batch: buckets with fewer samples follow `small_bucket_policy`.
+    Each sample is fitted by its own dataset's settings (resolution, buckets, crop, frames; see
+    `kit.data.datasets`), so datasets of different resolutions share one plan and a batch never
+    mixes sizes. `group_size` is one effective batch: buckets with fewer samples (counting each
+    dataset's `repeats`) follow `small_bucket_policy`.
     """
     step = cfg.bucket_step or step
-    buckets = bucket_list(cfg, step)
+    seen = views(cfg)
+    data = {v.index: v.data for v in seen}
+    lists = {v.index: bucket_list(v.data, step) for v in seen}
 
     def fit(s: Sample, bucket: tuple[int, int]) -> Placement:
-        return place(s, bucket, cfg.center_crop, seed, cfg.frame_stride, cfg.frame_start)
+        d = data[s.dataset]
+        return place(s, bucket, d.center_crop, seed, d.frame_stride, d.frame_start)
 
-    plan = BucketPlan(buckets, [], group_size=group_size)
+    every = sorted({b for bs in lists.values() for b in bs}, key=lambda wh: (wh[0] / wh[1], wh[0]))
+    plan = BucketPlan(every, [], group_size=group_size)
+    plan.dataset_repeats = [v.repeats for v in seen]
     for s in samples:
-        bucket = assign_bucket(s.width, s.height, buckets)
+        bucket = assign_bucket(s.width, s.height, lists[s.dataset])
         need = upscale_needed(s, bucket)
-        if need > cfg.max_upscale + 1e-9:
-            plan.dropped.append((s.image, _too_small(need, cfg)))
+        if need > data[s.dataset].max_upscale + 1e-9:
+            plan.dropped.append((s.image, _too_small(need, data[s.dataset])))
             continue
-        plan.samples.append(s)
-        plan.placements.append(fit(s, bucket))
+        for w in clip_windows(s, data[s.dataset], seed):
+            plan.samples.append(w)
+            plan.placements.append(fit(w, bucket))
     if group_size > 1:
-        _small_buckets(plan, cfg, fit)
+        _small_buckets(plan, cfg, fit, lambda s: data[s.dataset])
     return plan
 
 
@@ -239,23 +288,23 @@ def _too_small(need: float, cfg: DataConfig) -> str:
     return f"too small: needs {need:.2f}× upscale (max_upscale {cfg.max_upscale:g})"
 
 
-def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any) -> None:
+def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any, data_of: Any) -> None:
     """Apply `small_bucket_policy` to groups with fewer samples than one effective batch."""
     n_eff = plan.group_size
     groups = plan.groups()
-    small = {k: idx for k, idx in groups.items() if len(idx) < n_eff}
+    small = {k: idx for k, idx in groups.items() if plan.occurrences(idx) < n_eff}
     if not small:
         return
     policy = cfg.small_bucket_policy
     if policy == "keep":
         return  # their images form a short batch, as in kohya's trainer
     if policy == "repeat":
-        plan.repeats = {k: math.ceil(n_eff / len(idx)) for k, idx in small.items()}
+        plan.repeats = {k: math.ceil(n_eff / plan.occurrences(idx)) for k, idx in small.items()}
         return
     big = [k for k in groups if k not in small]
     keep = [True] * len(plan.samples)
     for key, idx in small.items():
-        why = f"bucket {group_name(key)} has {len(idx)} sample(s), fewer than one effective batch of {n_eff}"
+        why = f"bucket {group_name(key)} has {plan.occurrences(idx)} sample(s), fewer than one effective batch of {n_eff}"
         targets = [k for k in big if k[2] == key[2]]
         for i in idx:
             s = plan.samples[i]
@@ -272,8 +321,8 @@ def _small_buckets(plan: BucketPlan, cfg: DataConfig, fit: Any) -> None:
             ar = math.log(key[0] / key[1])
             target = min(targets, key=lambda k: (abs(math.log(k[0] / k[1]) - ar), -k[0] * k[1]))
             need = upscale_needed(s, target[:2])
-            if need > cfg.max_upscale + 1e-9:
-                plan.dropped.append((s.image, _too_small(need, cfg)))
+            if need > data_of(s).max_upscale + 1e-9:
+                plan.dropped.append((s.image, _too_small(need, data_of(s))))
                 keep[i] = False
                 continue
             plan.placements[i] = fit(s, target[:2])
@@ -295,7 +344,7 @@ def plan_dataset(
     them in: neither is then done again.
     """
     if family is None:
-        family = get_family(cfg.model.model_family, cfg)
+        family = family_info(cfg.model.model_family)
     samples = scanned.samples if scanned is not None else load_samples(cfg.data, family)
     t = cfg.train
     group = t.train_batch_size * t.gradient_accumulation_steps * num_processes
@@ -303,7 +352,8 @@ def plan_dataset(
     if not plan.samples:
         first = plan.dropped[0] if plan.dropped else None
         why = f" (e.g. {first[0]}: {first[1]})" if first else ""
-        raise DataError(f"every image in {cfg.data.image_dir} was dropped{why}")
+        where = cfg.data.image_dir or ", ".join(v.data.image_dir for v in views(cfg.data))
+        raise DataError(f"every image in {where} was dropped{why}")
     return plan.samples, plan
 
 
@@ -323,8 +373,12 @@ def epoch_batches(
     batches = []
     n = plan.size
     for key, idx in sorted(plan.groups().items()):
+        # Each repeat of a sample is its own draw: its own coin for the orientation.
+        drawn = [(i, r) for i in idx for r in range(plan.repeats_of(i))]
         if plan.flip_twins:
-            idx = [i + n if flip_coin(seed, epoch, plan.samples[i]) else i for i in idx]
+            idx = [i + n if flip_coin(seed, epoch, plan.samples[i], r) else i for i, r in drawn]
+        else:
+            idx = [i for i, _ in drawn]
         idx = idx * plan.repeats.get(key, 1)
         rng.shuffle(idx)
         batches += [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]

@@ -18,12 +18,15 @@ from typing import Any
 
 from kit.config import Config, DataConfig
 from kit.data.augment import split_tags
+from kit.data.datasets import view_of, views
 from kit.data.scan import caption_path, is_prior_image, scan
 from kit.errors import DataError, KitError
-from kit.families import get_family
+from kit.families import family_info, get_family
 from kit.io import atomic_dir, write_text, write_with
 
 BACKUPS = ".caption-backups"  # hidden, so scans and orphan checks never see the copies
+CREATED = ".created"
+"""In a backup: caption files the edit created (one relative path a line); restoring removes them."""
 
 _WORD = re.compile(r"[\w'-]+")
 
@@ -40,9 +43,10 @@ def has_word(caption: str, word: str) -> bool:
 
 def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
     """What the captions hold: problems, word and tag frequencies, trigger coverage, token counts."""
-    rep = scan(cfg.data, get_family(cfg.model.model_family, cfg))
+    rep = scan(cfg.data, family_info(cfg.model.model_family))
+    seen = views(cfg.data)
     captions = [s.caption for s in rep.samples]
-    files = [_source(s.image, cfg.data) for s in rep.samples]
+    files = [_source(s.image, seen[s.dataset].data) for s in rep.samples]
     dup = [c for c, n in Counter(captions).items() if n > 1 and c]
     counts = Counter(w for c in captions for w in words(c))
     tags = Counter(" ".join(t.lower().split()) for c in captions for t in split_tags(c))
@@ -50,7 +54,8 @@ def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
     concept = [
         (f, c)
         for f, c, s in zip(files, captions, rep.samples, strict=True)
-        if not is_prior_image(s.image, cfg.data.prior_images, cfg.data.image_dir)
+        if not seen[s.dataset].prior
+        and not is_prior_image(s.image, cfg.data.prior_images, seen[s.dataset].data.image_dir)
     ]
     missing = {t: [f for f, c in concept if not has_word(c, t)] for t in cfg.data.trigger_words}
     out: dict[str, Any] = {
@@ -134,7 +139,7 @@ def truncation_warnings(tokens: dict[str, Any] | None) -> list[str]:
 
 def save_caption(image: str | Path, text: str, cfg: DataConfig) -> Path:
     """Write one image's caption atomically; return the caption file."""
-    path = caption_path(Path(image), cfg)
+    path = caption_path(Path(image), view_of(image, cfg).data if cfg.datasets else cfg)
     write_text(path, text.strip() + "\n")
     return path
 
@@ -185,6 +190,8 @@ class Change:
     path: Path
     old: str
     new: str
+    created: bool = False
+    """The file does not exist yet (`old` is empty): applying creates it, restoring removes it."""
 
 
 def edit_text(text: str, edit: Edit) -> str:
@@ -228,17 +235,19 @@ def caption_files(cfg: Config | DataConfig) -> list[Path]:
 def plan_edit(cfg: Config | DataConfig, edit: Edit) -> list[Change]:
     """Every caption file the edit would change, with its old and new text; nothing is written."""
     data = _data(cfg)
-    if data.caption_strategy != "textfile":
-        raise KitError(
-            f"caption_strategy: bulk edits change caption files, but it is "
-            f"'{data.caption_strategy}'; set it to 'textfile'"
-        )
+    seen = views(data)
+    for v in seen:
+        if v.data.caption_strategy != "textfile":
+            raise KitError(
+                f"{v.where + ': ' if v.where else ''}caption_strategy: bulk edits change caption "
+                f"files, but it is '{v.data.caption_strategy}'; set it to 'textfile'"
+            )
     family = None
     if isinstance(cfg, Config):
-        family = get_family(cfg.model.model_family, cfg)
+        family = family_info(cfg.model.model_family)
     changes = []
     for sample in scan(data, family).samples:
-        path = caption_path(sample.image, data)
+        path = caption_path(sample.image, seen[sample.dataset].data)
         old = _read(path)
         new = edit_text(old, edit)
         if new != old:
@@ -251,7 +260,10 @@ def diff_text(changes: list[Change]) -> str:
     out = []
     for c in changes:
         lines = difflib.unified_diff(
-            _diff_lines(c.old), _diff_lines(c.new), fromfile=str(c.path), tofile=str(c.path)
+            _diff_lines(c.old),
+            _diff_lines(c.new),
+            fromfile="/dev/null" if c.created else str(c.path),
+            tofile=str(c.path),
         )
         out.extend(lines)
     return "".join(out)
@@ -275,23 +287,38 @@ def apply_edit(cfg: Config | DataConfig, changes: list[Change]) -> Path:
         raise KitError("no caption changes to apply (the edit changes nothing)")
     for c in changes:
         now = _read(c.path) if c.path.is_file() else None
-        if now != c.old:
+        if now != (None if c.created else c.old) or (c.created and c.path.exists()):
             raise DataError(
                 f"{c.path} changed on disk after the edit was planned; nothing was written. "
                 "Plan the edit again."
             )
-    backup = backup_captions(cfg)
+    backup = _backup_touched(_data(cfg), changes)
+    _note_created(backup.name, changes)
     for c in changes:
         # Bytes, not text mode, so line endings land exactly as the diff showed them.
         write_with(c.path, lambda tmp, c=c: tmp.write_bytes(c.new.encode("utf-8")))
     return backup
 
 
-def backup_captions(cfg: Config | DataConfig) -> Path:
-    """Copy every caption file, byte for byte, to `<caption folder>/.caption-backups/<time>/`."""
+def _backup_touched(data: DataConfig, changes: list[Change]) -> Path:
+    """Back up the caption folder of every dataset an edit touches, all under one time stamp;
+    the first dataset's backup is returned (the others have the same name in their folders)."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    touched = [
+        v.data
+        for v in views(data)
+        if any(c.path.absolute().is_relative_to(_caption_root(v.data).absolute()) for c in changes)
+    ]
+    backups = [backup_captions(d, stamp) for d in touched or [views(data)[0].data]]
+    return backups[0]
+
+
+def backup_captions(cfg: Config | DataConfig, stamp: str = "") -> Path:
+    """Copy every caption file, byte for byte, to `<caption folder>/.caption-backups/<time>/`
+    (for several datasets: use each dataset's own data section, see `kit.data.datasets`)."""
     data = _data(cfg)
     root = _caption_root(data)
-    dest = root / BACKUPS / datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    dest = root / BACKUPS / (stamp or datetime.now().strftime("%Y%m%d-%H%M%S-%f"))
     # Written whole or not at all: a half backup would be worse than none.
     with atomic_dir(dest) as tmp:
         for f in caption_files(data):
@@ -302,29 +329,59 @@ def backup_captions(cfg: Config | DataConfig) -> Path:
 
 
 def list_backups(cfg: Config | DataConfig) -> list[Path]:
-    """The caption backups, oldest first."""
-    folder = _caption_root(_data(cfg)) / BACKUPS
-    return (
-        sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-        if (folder.is_dir())
-        else []
-    )
+    """The caption backups, oldest first (of every dataset's caption folder)."""
+    out = []
+    for v in views(_data(cfg)):
+        folder = _caption_root(v.data) / BACKUPS
+        if folder.is_dir():
+            out += [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return sorted(out, key=lambda p: (p.name, str(p)))
 
 
 def restore_backup(cfg: Config | DataConfig, backup: str | Path) -> Path:
     """Put a backup's caption files back (the current ones are backed up first); return that backup."""
     data = _data(cfg)
-    backup = Path(backup)
+    backup = Path(backup).resolve()
     if not backup.is_dir():
         raise DataError(f"caption backup not found: {backup}")
-    files = sorted(p for p in backup.rglob("*") if p.is_file())
-    if not files:
+    files = sorted(p for p in backup.rglob("*") if p.is_file() and p != backup / CREATED)
+    created = _created_in(backup)
+    if not files and not created:
         raise DataError(f"caption backup {backup} holds no caption files")
-    before = backup_captions(data)
-    root = _caption_root(data)
+    # A backup lies in its caption folder's `.caption-backups`: that folder is where it goes back.
+    root = backup.parent.parent if backup.parent.name == BACKUPS else None
+    owner = next(
+        (v.data for v in views(data) if root is None or _caption_root(v.data).resolve() == root),
+        None,
+    )
+    if owner is None:
+        raise DataError(f"caption backup {backup} belongs to none of the config's caption folders")
+    before = backup_captions(owner)
+    root = _caption_root(owner)
     for f in files:
         write_with(root / f.relative_to(backup), lambda tmp, f=f: shutil.copyfile(f, tmp))
+    for name in created:
+        # It did not exist when the backup was taken (the backup made just now keeps it).
+        (root / name).unlink(missing_ok=True)
     return before
+
+
+def _note_created(stamp: str, changes: list[Change]) -> None:
+    """List in each backup the caption files the edit is about to create (see `CREATED`)."""
+    notes: dict[Path, list[str]] = {}
+    for c in changes:
+        if c.created:
+            root = next((p for p in c.path.parents if (p / BACKUPS / stamp).is_dir()), None)
+            if root is not None:
+                notes.setdefault(root, []).append(c.path.relative_to(root).as_posix())
+    for root, names in notes.items():
+        write_text(root / BACKUPS / stamp / CREATED, "".join(n + "\n" for n in names))
+
+
+def _created_in(backup: Path) -> list[str]:
+    """The caption files (relative to the caption folder) created after `backup` was taken."""
+    note = backup / CREATED
+    return note.read_text(encoding="utf-8").splitlines() if note.is_file() else []
 
 
 def _data(cfg: Config | DataConfig) -> DataConfig:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from kit.config import Config
 from kit.data.buckets import epoch_batches, group_name, plan_dataset
+from kit.data.datasets import views
+from kit.data.masks import masked, plan_masks
 
 
 def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
@@ -17,7 +20,16 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
     `epoch_batches`), `steps_per_epoch` those divided by the gradient accumulation.
     """
     t = cfg.train
-    samples, plan = plan_dataset(cfg, num_processes)
+    # With masks, an image whose mask is unusable is left out before bucketing, as in training.
+    refused = plan_masks(cfg) if masked(cfg.data) else None
+    samples, plan = plan_dataset(
+        cfg,
+        num_processes,
+        family=refused.family if refused else None,
+        scanned=refused.scanned if refused else None,
+    )
+    if refused is not None:
+        plan.dropped = plan.dropped + refused.refused
     video = any(p.frames for p in plan.placements)
     buckets = []
     for key, idx in sorted(plan.groups().items()):
@@ -30,8 +42,11 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
             count=len(idx),
             images=len(idx),  # the name earlier versions of `kit buckets --json` used
             repeats=plan.repeats.get(key, 1),
+            per_epoch=plan.occurrences(idx) * plan.repeats.get(key, 1),
             files=[str(samples[i].image) for i in idx],
         )
+        if video:  # a clip's windows are samples of their own: `count` counts windows
+            row["clips"] = len({samples[i].image for i in idx if samples[i].clip})
         buckets.append(row)
     # Every epoch has the same number of batches; epoch 0 stands for all.
     total = len(epoch_batches(plan, t.train_batch_size, t.seed, 0, num_processes))
@@ -40,6 +55,9 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
     steps = per_process / accum
     return {
         "images": len(samples),
+        **(_windows(samples) if video else {}),
+        "samples_per_epoch": sum(b["per_epoch"] for b in buckets),
+        "datasets": _datasets(cfg, samples, plan),
         "buckets": buckets,
         "dropped": [{"file": str(f), "reason": why} for f, why in plan.dropped],
         "aspect_histogram": aspect_histogram([s.width / s.height for s in samples]),
@@ -55,6 +73,36 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
         # Micro-batches carry over epoch ends, so the run needs steps × accumulation batches.
         "epochs": math.ceil(t.max_train_steps * accum / per_process) if per_process else None,
     }
+
+
+def _datasets(cfg: Config, samples: list, plan: Any) -> list[dict[str, Any]]:
+    """Each dataset: its name, folder, role, weight, images kept and samples per epoch."""
+    kept = Counter(s.dataset for s in samples)
+    dropped = Counter()
+    seen = views(cfg.data)
+    for f, _ in plan.dropped:
+        for v in seen:
+            if Path(f).is_relative_to(v.data.image_dir):
+                dropped[v.index] += 1
+    return [
+        {
+            "name": v.name,
+            "image_dir": v.data.image_dir,
+            "role": v.role,
+            "repeats": v.repeats,
+            "loss_weight": v.loss_weight,
+            "images": kept[v.index],
+            "dropped": dropped[v.index],
+            "samples_per_epoch": kept[v.index] * v.repeats,
+        }
+        for v in seen
+    ]
+
+
+def _windows(samples: list) -> dict[str, int]:
+    """Clips kept and the windows they train as (`frame_sampling`); each window is a sample."""
+    clips = [s for s in samples if s.clip]
+    return {"clips": len({s.image for s in clips}), "windows": len(clips)}
 
 
 def aspect_histogram(aspects: list[float], bins: int = 12) -> list[dict[str, Any]]:
@@ -98,13 +146,27 @@ def report_figure(report: dict[str, Any]):
 
 def report_lines(report: dict[str, Any]) -> list[str]:
     """The report as a plain-text table and summary."""
-    lines = [f"{'bucket':>14}  {'aspect':>6}  {'images':>6}  repeats"]
+    lines = []
+    if len(report.get("datasets", [])) > 1:
+        lines.append(f"{'dataset':>14}  {'role':>8}  {'images':>6}  repeats  weight  per epoch")
+        for d in report["datasets"]:
+            lines.append(
+                f"{d['name']:>14}  {d['role']:>8}  {d['images']:>6}  {d['repeats']:>7}  "
+                f"{d['loss_weight']:>6g}  {d['samples_per_epoch']:>9}"
+            )
+    lines.append(f"{'bucket':>14}  {'aspect':>6}  {'images':>6}  repeats  per epoch")
     for b in report["buckets"]:
-        lines.append(f"{b['bucket']:>14}  {b['aspect']:>6}  {b['count']:>6}  {b['repeats']}")
+        lines.append(
+            f"{b['bucket']:>14}  {b['aspect']:>6}  {b['count']:>6}  {b['repeats']:>7}  "
+            f"{b['per_epoch']:>9}"
+        )
+    if report.get("clips"):
+        lines.append(f"{report['clips']} clip(s) → {report['windows']} window(s)")
     for d in report["dropped"]:
         lines.append(f"dropped {d['file']}: {d['reason']}")
     lines.append(
-        f"{report['images']} image(s) train, {len(report['dropped'])} dropped; "
+        f"{report['images']} image(s) train ({report['samples_per_epoch']} per epoch with "
+        f"repeats), {len(report['dropped'])} dropped; "
         f"effective batch {report['effective_batch']} "
         f"({report['train_batch_size']} × {report['gradient_accumulation_steps']} accumulation × "
         f"{report['processes']} process(es), small buckets: {report['small_bucket_policy']})"

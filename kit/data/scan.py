@@ -6,6 +6,7 @@ Video families also read clips (see `kit.data.video`): a sample then has frames,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from PIL import UnidentifiedImageError
 
 from kit.config import DataConfig
 from kit.data import video
+from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, probe
 from kit.errors import DataError
 
@@ -39,6 +41,11 @@ class Sample:
     """True for a clip (even one of a single frame), False for a still image."""
     dataset: int = 0
     """Index of the dataset (in `datasets`) the sample comes from; 0 for a single folder."""
+    window_start: int | None = None
+    """A clip's window: the frame its frames start at (`frame_sampling` uniform, chunk, slide;
+    see `kit.data.buckets.clip_windows`). None: the clip's one window, placed by `frame_start`.
+    The scan gives one sample per clip; bucketing splits a clip into its windows, so caption
+    tools still see each file once."""
 
 
 @dataclass
@@ -78,8 +85,9 @@ class ScanReport:
     def summary(self) -> str:
         """One line: how many files are used, skipped and warned about."""
         skipped = self.dropped()
-        total = len(self.samples) + len(skipped)
-        line = f"{len(self.samples)} of {total} file(s) usable"
+        used = len({s.image for s in self.samples})  # a clip split into windows is one file
+        total = used + len(skipped)
+        line = f"{used} of {total} file(s) usable"
         if skipped:
             first = skipped[0]
             line += f"; {len(skipped)} skipped (first: {first[0].name}: {first[1]})"
@@ -226,7 +234,28 @@ def _read_caption(path: Path, report: ScanReport) -> str:
 
 
 def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
-    """Read the dataset folder: images (and clips), their captions and every problem found.
+    """Read the dataset: its folder, or each of `datasets` in turn (see `scan_folder`).
+
+    Each sample records its dataset's index; a problem in one dataset skips only its files,
+    and a missing folder is named with its dataset.
+    """
+    if not cfg.datasets:
+        return scan_folder(cfg, family)
+    report = ScanReport()
+    for view in views(cfg):
+        try:
+            part = scan_folder(view.data, family)
+        except DataError as e:
+            raise DataError(f"{view.where}: {e}") from None
+        for sample in part.samples:
+            sample.dataset = view.index
+        for f in dataclasses.fields(ScanReport):
+            getattr(report, f.name).extend(getattr(part, f.name))
+    return report
+
+
+def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:
+    """Read one dataset folder: images (and clips), their captions and every problem found.
 
     Nothing here stops a run: each file that cannot be used is recorded with its reason and left
     out. The family decides what is read: an image family reads images only; a video family also
@@ -353,6 +382,16 @@ def _clip_frames(total: int, cfg: DataConfig, rule: Any) -> tuple[int, str]:
 def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
     """The scan of the dataset, or a DataError when not one usable sample is left in it."""
     report = scan(cfg, family)
+    for view in views(cfg) if cfg.datasets else []:
+        if not any(s.dataset == view.index for s in report.samples):
+            mine = [d for d in report.dropped() if _within(d[0], view.data.image_dir)]
+            why = f": all {len(mine)} file(s) skipped ({mine[0][0]}: {mine[0][1]})" if mine else ""
+            raise DataError(
+                f"{view.where}: no usable images in {view.data.image_dir}{why}"
+                if mine
+                else f"{view.where}: no images found in {view.data.image_dir} "
+                f"(extensions: {sorted(IMAGE_EXTS)})"
+            )
     if report.samples:
         return report
     dropped = report.dropped()
@@ -362,6 +401,10 @@ def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
     raise DataError(
         f"no usable images in {cfg.image_dir}: all {len(dropped)} file(s) skipped: {why}"
     )
+
+
+def _within(path: Path, folder: str) -> bool:
+    return Path(os.path.abspath(path)).is_relative_to(os.path.abspath(folder))
 
 
 def load_samples(cfg: DataConfig, family: Any = None) -> list[Sample]:

@@ -1,8 +1,14 @@
 """Clips as training data: folders of numbered frames and video files, and which frames to take.
 
 A clip is either a folder of numbered frames (`clip01/0000.png, 0001.png …`, captioned by
-`clip01.txt` beside the folder) or a video file. GIFs are read with PIL; other containers need
-imageio with its ffmpeg plugin, which the kit does not require: such a file gives a clear error.
+`clip01.txt` beside the folder) or a video file. GIFs are read with PIL; other containers through
+imageio's ffmpeg plugin, a dependency of the kit whose wheel carries its own ffmpeg binary, so an
+mp4 reads without a system ffmpeg. An install without it gets an error that says what to install.
+
+A clip trains as one or more *windows*: `frames` frames, `frame_stride` apart. `frame_sampling`
+says which: one window (`head`, placed by `frame_start`), windows spread evenly (`uniform`),
+back-to-back (`chunk`), or every `window_stride` frames (`slide`). Each window is a training
+sample of its own, with its own cache entry, so a long clip is not reduced to its first second.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ FRAME_EXTS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 VIDEO_EXTS = frozenset({".mp4", ".webm", ".mov", ".mkv", ".gif"})
 """Video files read as clips (all but GIF through imageio's ffmpeg plugin)."""
 FRAME_STARTS = ("first", "center", "random")
+FRAME_SAMPLINGS = ("head", "uniform", "chunk", "slide")
 
 
 def is_video_file(path: Path) -> bool:
@@ -147,3 +154,57 @@ def select_frames(total: int, count: int, stride: int, start: str, key: str) -> 
     else:
         raise ValueError(f"frame_start {start!r} is not one of {', '.join(FRAME_STARTS)}")
     return tuple(range(begin, begin + span, stride))
+
+
+def window_span(frames: int, stride: int) -> int:
+    """Frames of the clip one window covers: `frames` frames `stride` apart, first to last."""
+    return (frames - 1) * stride + 1 if frames > 0 else 0
+
+
+def window_frames(begin: int, frames: int, stride: int) -> tuple[int, ...]:
+    """The frame indices of the window that starts at `begin`."""
+    return tuple(range(begin, begin + window_span(frames, stride), stride))
+
+
+def window_starts(
+    total: int,
+    frames: int,
+    stride: int = 1,
+    sampling: str = "head",
+    windows: int = 1,
+    window_stride: int = 0,
+    start: str = "first",
+    key: str = "",
+) -> tuple[int, ...]:
+    """Where each window of a clip of `total` frames starts, in order; () when none fits.
+
+    A window is `frames` frames `stride` apart (`frames` is already cut to the family's rule, as
+    the scan does). `head`: one window placed by `start` (first, centred, or seeded by `key`).
+    `uniform`: `windows` windows spread evenly from the first frame to the last (one window is
+    placed as `head` places it); a clip too short for that many distinct windows gives fewer, as
+    two identical windows would only weight that stretch twice. `chunk`: back to back, each
+    starting where the one before ends. `slide`: every `window_stride` frames (0: the window's
+    span, which is `chunk`). `windows` caps `chunk` and `slide` (0: every window that fits),
+    taken from the start of the clip.
+    """
+    if sampling not in FRAME_SAMPLINGS:
+        raise ValueError(f"frame_sampling {sampling!r} is not one of {', '.join(FRAME_SAMPLINGS)}")
+    if frames < 1 or stride < 1 or windows < 0 or window_stride < 0:
+        raise ValueError(
+            f"a window needs frames >= 1 and stride >= 1 (got {frames}, {stride}), "
+            f"and windows, window_stride >= 0 (got {windows}, {window_stride})"
+        )
+    if sampling == "uniform" and windows == 0:
+        raise ValueError("frame_sampling uniform spreads frame_windows windows: it needs 1 or more")
+    span = window_span(frames, stride)
+    slack = total - span
+    if slack < 0:
+        return ()
+    if sampling == "head" or (sampling == "uniform" and windows == 1):
+        return (select_frames(total, frames, stride, start, key)[0],)
+    if sampling == "uniform":
+        # Evenly from 0 to slack, both ends included; rounding can merge starts of a short clip.
+        return tuple(sorted({round(i * slack / (windows - 1)) for i in range(windows)}))
+    step = span if sampling == "chunk" or window_stride == 0 else window_stride
+    starts = range(0, slack + 1, step)
+    return tuple(starts[:windows] if windows else starts)

@@ -21,13 +21,43 @@ from kit.run.folder import RunDir
 
 
 def tag_frequency(run: RunDir, cfg: Config) -> dict[str, dict[str, int]]:
-    """kohya's `ss_tag_frequency`: the dataset folder's name → each comma-separated caption
+    """kohya's `ss_tag_frequency`: each dataset folder's name → each comma-separated caption
     tag and how many trained samples carry it (read from the run's dataset manifest)."""
-    rows = json.loads(run.manifest.read_text()) if run.manifest.is_file() else []
-    counts: Counter[str] = Counter()
-    for row in rows:
-        counts.update({t.strip() for t in str(row.get("caption", "")).split(",") if t.strip()})
-    return {Path(cfg.data.image_dir).name or "images": dict(counts.most_common())}
+    counts: dict[str, Counter[str]] = {}
+    for row in _rows(run):
+        tags = {t.strip() for t in str(row.get("caption", "")).split(",") if t.strip()}
+        counts.setdefault(_dataset_name(row, cfg), Counter()).update(tags)
+    if not counts:
+        counts[_dataset_name({}, cfg)] = Counter()
+    return {name: dict(c.most_common()) for name, c in counts.items()}
+
+
+def dataset_counts(run: RunDir, cfg: Config) -> dict[str, dict[str, int]]:
+    """kohya's `ss_dataset_dirs`: each dataset folder's name → its repeats and image count."""
+    out: dict[str, dict[str, int]] = {}
+    for row in _rows(run):
+        d = out.setdefault(
+            _dataset_name(row, cfg), {"n_repeats": int(row.get("repeats", 1)), "img_count": 0}
+        )
+        d["img_count"] += 1
+    return out
+
+
+def _rows(run: RunDir) -> list[dict]:
+    return json.loads(run.manifest.read_text()) if run.manifest.is_file() else []
+
+
+def _dataset_name(row: dict, cfg: Config) -> str:
+    """A dataset's name (its folder's name, or the name given it): never a path."""
+    return str(row.get("dataset") or Path(cfg.data.image_dir).name or "images")
+
+
+def _train_counts(rows: list[dict]) -> tuple[int, int]:
+    """Instance and prior images with repeats, as kohya counts `ss_num_train_images` and
+    `ss_num_reg_images`."""
+    train = sum(int(r.get("repeats", 1)) for r in rows if r.get("role") != "prior")
+    prior = sum(int(r.get("repeats", 1)) for r in rows if r.get("role") == "prior")
+    return train, prior
 
 
 def shared_metadata(
@@ -35,7 +65,8 @@ def shared_metadata(
 ) -> dict[str, str]:
     """The metadata of every file exported from `run` at `step` (all values strings)."""
     base = public_name(cfg.model.pretrained_model)
-    rows = json.loads(run.manifest.read_text()) if run.manifest.is_file() else []
+    rows = _rows(run)
+    train, prior = _train_counts(rows)
     res = cfg.data.resolution
     version = family.version_metadata()
     if method.modelspec_adapter:
@@ -48,8 +79,10 @@ def shared_metadata(
         "kit.steps": str(step),
         "kit.resolution": str(res),
         "ss_sd_model_name": base,
-        "ss_num_train_images": str(len(rows)),
+        "ss_num_train_images": str(train),
+        "ss_num_reg_images": str(prior),
         "ss_tag_frequency": json.dumps(tag_frequency(run, cfg), ensure_ascii=False),
+        "ss_dataset_dirs": json.dumps(dataset_counts(run, cfg), ensure_ascii=False),
         "ss_learning_rate": str(cfg.train.learning_rate),
         "ss_max_train_steps": str(cfg.train.max_train_steps),
         "ss_seed": str(cfg.train.seed),

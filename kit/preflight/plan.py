@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from kit.config import Config, from_dict
-from kit.data.buckets import plan_buckets
+from kit.data.buckets import group_name, plan_buckets
+from kit.data.datasets import views
 from kit.data.scan import load_samples
 from kit.errors import KitError
 from kit.families import get_family
@@ -179,8 +180,17 @@ def plan(
     rule = RULES[task]
     flat = (base or Config()).to_dict(flat=True)
     fam_name = family or (base.model.model_family if base else "sd15")
-    image_dir = Path(image_dir).resolve()
-    flat.update(model_family=fam_name, image_dir=str(image_dir))
+    several = bool(base and base.data.datasets)
+    if several == bool(image_dir):
+        raise KitError(
+            "plan: the config lists `datasets`; plan them without a folder argument"
+            if several
+            else "plan: give the folder of images to plan for (or a config with `datasets`)"
+        )
+    image_dir = Path(image_dir or views(base.data)[0].data.image_dir).resolve()
+    flat.update(model_family=fam_name)
+    if not several:
+        flat.update(image_dir=str(image_dir))
     if pretrained_model:
         flat["pretrained_model"] = pretrained_model
     elif base is None or fam_name != base.model.model_family:
@@ -199,7 +209,10 @@ def plan(
     cfg = from_dict(flat)
     fam = get_family(fam_name, cfg)
     samples = load_samples(cfg.data, fam)
-    n = len(samples)
+    seen = views(cfg.data)
+    # Prior (regularisation) images train too, but the plan is sized by what is taught.
+    taught = [s for s in samples if not seen[s.dataset].prior] or samples
+    n = sum(seen[s.dataset].repeats for s in taught)
 
     # Resolution: the family's native size, unless the images are smaller.
     native = fam.native_resolution
@@ -219,18 +232,20 @@ def plan(
             resolution=res,
         )
     buckets = plan_buckets(samples, from_dict(flat).data, fam.bucket_step, cfg.train.seed)
-    counts = buckets.counts()
+    # Per group, how many samples an epoch trains (with each dataset's repeats).
+    counts = {k: buckets.occurrences(idx) for k, idx in buckets.groups().items()}
 
     # Captions: the trigger word and how many captions carry it.
-    captions = [s.caption for s in samples]
+    captions = [s.caption for s in taught]
     triggers = [trigger] if trigger else list(cfg.data.trigger_words)
     if triggers:
         have = sum(any(t.lower() in _words(c) for t in triggers) for c in captions)
-        propose(f"given; {have} of {n} captions contain it", trigger_words=triggers)
+        propose(f"given; {have} of {len(captions)} captions contain it", trigger_words=triggers)
     elif (guess := guess_trigger(captions)) is not None:
         triggers = [guess[0]]
         propose(
-            f"guessed: '{guess[0]}' is in {guess[1]} of {n} captions and is not a common word "
+            f"guessed: '{guess[0]}' is in {guess[1]} of {len(captions)} captions and is not a "
+            "common word "
             "(pass --trigger to choose)",
             trigger_words=triggers,
         )
@@ -288,8 +303,9 @@ def plan(
     micro = sum(math.ceil(c / batch) for c in counts.values())
     per_epoch = micro / accum
     steps = math.ceil(rule.views * per_epoch)
+    what = f"{n} images" if not several else f"{n} samples per epoch (with repeats)"
     why = (
-        f"{n} images in {len(counts)} bucket(s) → {micro} batches of ≤{batch} per epoch / "
+        f"{what} in {len(counts)} bucket(s) → {micro} batches of ≤{batch} per epoch / "
         f"accumulation {accum} → {per_epoch:g} steps per epoch; × {rule.views} epochs "
         f"({task}: each image seen ~{rule.views} times) → {steps} steps"
     )
@@ -329,7 +345,8 @@ def plan(
     flat["validation_seeds"] = [0, 1]
     dataset = {
         "images": n,
-        "buckets": {f"{w}x{h}": c for (w, h), c in sorted(counts.items())},
+        "buckets": {group_name(k): c for k, c in sorted(counts.items())},
+        "datasets": {v.name: sum(s.dataset == v.index for s in samples) for v in seen},
         "distinct_captions": len(set(captions)),
         "median_short_side": short,
         "prompt_groups": prompts,

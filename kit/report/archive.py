@@ -68,21 +68,30 @@ def environment() -> dict[str, Any]:
     return {"versions": versions(), "gpu": None if dev["device"] == "cpu" else dev["name"]}
 
 
-def _dataset(run: RunDir, image_dir: str | None) -> dict[str, Any]:
-    """The manifest's files with their hashes, named relative to the image folder."""
+def _dataset(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's files with their hashes, named relative to their image folder (and, with
+    several datasets, by dataset, with its repeats and role)."""
     if not run.manifest.is_file():
         return {"manifest": None, "manifest_sha256": None, "files": []}
+    flat = flat_config(config)
+    folders = {
+        str(d.get("name") or Path(str(d.get("image_dir", ""))).name): d.get("image_dir")
+        for d in flat.get("datasets") or []
+    }
     rows = json.loads(run.manifest.read_text())
     files = []
     for r in rows:
         name = Path(r["image"])
+        image_dir = folders.get(r["dataset"]) if "dataset" in r else flat.get("image_dir")
         # Relative names let two runs on copies of one dataset in other folders compare equal.
         if image_dir:
             try:
                 name = name.relative_to(image_dir)
             except ValueError:
                 pass
-        files.append({"file": name.as_posix(), "sha256": r["sha256"], "caption": r.get("caption")})
+        row = {"file": name.as_posix(), "sha256": r["sha256"], "caption": r.get("caption")}
+        row.update({k: r[k] for k in ("dataset", "role", "repeats") if k in r})
+        files.append(row)
     return {
         "manifest": run.manifest.name,
         "manifest_sha256": _sha256(run.manifest),
@@ -131,7 +140,7 @@ def build_archive(
             "duration_s": None if started is None or ended is None else round(ended - started, 3),
         },
         "config": config,
-        "dataset": _dataset(run, flat_config(config).get("image_dir")),
+        "dataset": _dataset(run, config),
         "validation": _validation(run),
         "loss": _loss(run),
         "environment": environment(),

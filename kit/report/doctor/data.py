@@ -165,7 +165,7 @@ def trigger_missing(run: RunRecord) -> Iterator[Finding]:
     rows = [
         (c, r)
         for c, r in zip(run.captions, run.manifest, strict=True)
-        if not is_prior_image(str(r.get("image")), patterns, image_dir)
+        if r.get("role") != "prior" and not is_prior_image(str(r.get("image")), patterns, image_dir)
     ]
     if not rows:
         return
