@@ -1,4 +1,9 @@
-"""Complete training state on disk: written to a temporary folder, marked, then renamed."""
+"""Complete training state on disk: written to a temporary folder, marked, then renamed.
+
+Under DeepSpeed or FSDP every process writes its part of the state into a folder of its own
+(`SHARDED_DIR`, `FSDP_DIR`), moved in before the checkpoint is marked complete; the trained
+weights are saved whole beside it either way, which is what export reads.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +32,12 @@ STATE_FILES = (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, PROGRESS_FILE)
 SHARDED_DIR = "deepspeed"
 """Under DeepSpeed ZeRO: every process's part of the optimizer state (the engine's own format),
 in place of `optimizer.pt`."""
+FSDP_DIR = "fsdp"
+"""Under FSDP: every process's shard of the trained weights and of the optimizer state (torch's
+distributed checkpoint format), in place of `optimizer.pt`. `adapter.safetensors` beside it holds
+the same weights gathered whole."""
+PER_PROCESS_DIRS = (SHARDED_DIR, FSDP_DIR)
+"""The folders that hold a state split by process; a checkpoint with one has no `optimizer.pt`."""
 _CORE = {Path(f).stem for f in (OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE)}
 
 
@@ -115,8 +126,8 @@ def save_checkpoint(
     `extras` are further states (EMA, gradient scaler), each saved as `<name>.pt`;
     `ema_weights` are the averaged trained weights, saved beside the raw ones. `folders` are
     finished folders (name → where they were written) moved in before the checkpoint is marked
-    complete: the DeepSpeed state that every process wrote. `optimizer` is None when that
-    state holds the optimizer's.
+    complete: the DeepSpeed or FSDP state that every process wrote. `optimizer` is None when
+    that state holds the optimizer's.
     """
     final = checkpoint_dir(run_dir, step)
     tmp = RunDir(Path(run_dir)).staged_checkpoint(step)
@@ -157,8 +168,9 @@ def save_checkpoint(
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint folder back into memory (extras under `extras`).
 
-    `optimizer` is None for a DeepSpeed checkpoint: its optimizer state is in `SHARDED_DIR`,
-    split by process, and only the DeepSpeed engine reads it back.
+    `optimizer` is None for a DeepSpeed or FSDP checkpoint: its optimizer state is in
+    `SHARDED_DIR` or `FSDP_DIR`, split by process, and only that launch reads it back
+    (`sharded_by`).
     """
     optimizer = path / OPTIMIZER_FILE
     return {
@@ -174,6 +186,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
             if f.stem not in _CORE
         },
     }
+
+
+def sharded_by(path: Path) -> str | None:
+    """Which launch split a checkpoint's state by process: `deepspeed`, `fsdp`, or None."""
+    for name in PER_PROCESS_DIRS:
+        if (path / name).is_dir():
+            return name
+    return None
 
 
 def exported_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""accelerate for one run: the precision this machine can run, the Accelerator, DeepSpeed state."""
+"""accelerate for one run: the precision this machine can run, the Accelerator, the sharded state
+of DeepSpeed and FSDP."""
 
 from __future__ import annotations
 
@@ -56,6 +57,47 @@ def check_tracker(report_to: str) -> None:
 def deepspeed_launch() -> bool:
     """Whether `accelerate launch` started this process with a DeepSpeed config."""
     return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
+def fsdp_launch() -> bool:
+    """Whether `accelerate launch` started this process with an FSDP config."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def is_fsdp(accelerator: Any) -> bool:
+    """Whether this run's trained modules are sharded with FSDP."""
+    return getattr(accelerator.state, "fsdp_plugin", None) is not None
+
+
+def _fsdp_plugin() -> Any:
+    """accelerate's FSDP plugin as the launch configured it (read from the environment), after
+    checking that the kit can train with it."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    if plugin.fsdp_version != 2:
+        raise KitError(
+            f"fsdp_version: {plugin.fsdp_version} in the accelerate config is not supported: the "
+            "kit trains with FSDP2, which keeps every parameter a tensor of its own (adapters "
+            "beside frozen weights, per-process checkpoints); set fsdp_version: 2 (kit "
+            "accelerate-config --fsdp writes it)"
+        )
+    return plugin
+
+
+def _fsdp_on_cpu(accelerator: Any) -> None:
+    """Shard with FSDP in a CPU (gloo) launch, where accelerate keeps to plain data parallelism.
+
+    accelerate turns FSDP on only for accelerator devices; torch's FSDP2 runs on CPU tensors over
+    gloo as well. Marking the state FSDP before `prepare` sends the models through accelerate's
+    own FSDP2 path, the one a GPU launch takes, so a CPU run tests that same path.
+    """
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    accelerator.state.fsdp_plugin = _fsdp_plugin()
+    accelerator.state.distributed_type = DistributedType.FSDP
 
 
 def make_accelerator(
@@ -117,6 +159,21 @@ def make_accelerator(
         # and accelerate uses them once they are set, before `prepare`.
         accelerator.scaler = torch.amp.GradScaler("cpu", **handlers[0].to_kwargs())
         accelerator.native_amp = True
+    if fsdp_launch():
+        if precision == "fp16" and accelerator.device.type == "cpu":
+            raise KitError(
+                f"mixed_precision: fp16 with FSDP on a CPU ({CPU_FP16_ENV}=1) is not supported: "
+                "the CPU gradient scaler does not read sharded gradients; set mixed_precision: no"
+            )
+        if is_fsdp(accelerator):
+            _fsdp_plugin()  # checks the version the launch asked for
+        else:
+            _fsdp_on_cpu(accelerator)
+        accelerator.print(
+            "FSDP: the denoiser is sharded across the processes, so no validation images are "
+            "drawn during training; every checkpoint holds the whole weights (kit export and "
+            "kit sample draw from them)"
+        )
     if accelerator.state.deepspeed_plugin is not None:
         # Batches are not given to `prepare` as a DataLoader, so DeepSpeed is told their size.
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -144,3 +201,67 @@ def load_sharded(engine: Any, checkpoint: Path) -> None:
     )
     if loaded is None:
         raise KitError(f"DeepSpeed could not load the state in {folder}")
+
+
+def full_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every FSDP shard gathered into its whole tensor, on every process.
+
+    A collective: every process calls it with the same keys, in the same order (the method's
+    `state_dict` of the same model gives them). Tensors that are not sharded pass unchanged.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: v.full_tensor().detach().cpu().clone() if isinstance(v, DTensor) else v
+        for k, v in state.items()
+    }
+
+
+def _fsdp_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], Any]:
+    """The sharded model and optimizer state of this process, frozen weights left out (they
+    come from the base model again at a resume)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    weights, moments = get_state_dict(model, optimizer, options=options)
+    return {"model": weights, "optimizer": moments}, options
+
+
+def save_fsdp(model: Any, optimizer: Any, folder: Path) -> None:
+    """Write this process's shard of the trained weights and optimizer state under FSDP (torch's
+    distributed checkpoint format: one `.distcp` file per process and a `.metadata` index).
+
+    Called by every process together; `folder` is the same path on all of them (a folder every
+    node can write to, as the run's own output folder must be).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    state, _ = _fsdp_state(model, optimizer)
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def load_fsdp(model: Any, optimizer: Any, checkpoint: Path) -> None:
+    """Load this process's shard of the trained weights and optimizer state under FSDP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    folder = checkpoint / ckpt.FSDP_DIR
+    if not (folder / ".metadata").is_file():
+        raise KitError(
+            f"{checkpoint} was not saved under FSDP (no {ckpt.FSDP_DIR}/.metadata): its weights "
+            "and optimizer state are not sharded; resume it with the accelerate config it was "
+            "trained with"
+        )
+    state, _ = _fsdp_state(model, optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(folder))
+    except Exception as e:  # torch raises its own CheckpointException, naming every rank's error
+        raise KitError(f"could not load the FSDP state in {folder}: {e}") from None
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        # The frozen weights are not in the file: they stay the base model's.
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )

@@ -14,7 +14,7 @@ from kit.errors import KitError
 from kit.io import write_text
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
-from kit.train.accel import load_sharded
+from kit.train.accel import is_fsdp, load_fsdp, load_sharded
 from kit.train.state import TrainState
 
 # Settings that change the sequence of updates: a resume with other values is not exact.
@@ -60,12 +60,19 @@ def check_resume(
 def restore(s: TrainState, checkpoint: Path) -> None:
     """Put a checkpoint's weights, optimizer, schedule, random streams and position back."""
     state = ckpt.load_checkpoint(checkpoint)
-    s.method.load_state_dict(s.comps, state["adapter"])
+    if is_fsdp(s.accelerator):
+        # The sharded model takes its weights from the shards, with the optimizer's.
+        load_fsdp(s.trained[0], s.optimizer, checkpoint)
+    else:
+        s.method.load_state_dict(s.comps, state["adapter"])
     if s.deepspeed:
         load_sharded(s.trained[0], checkpoint)  # the DeepSpeed engine
+    elif is_fsdp(s.accelerator):
+        pass  # loaded above
     elif state["optimizer"] is None:
+        how = {ckpt.FSDP_DIR: "FSDP"}.get(ckpt.sharded_by(checkpoint) or "", "DeepSpeed")
         raise KitError(
-            f"{checkpoint} was saved under DeepSpeed: its optimizer state is split across "
+            f"{checkpoint} was saved under {how}: its optimizer state is split across "
             "processes; resume it with the same accelerate config file (accelerate launch "
             "--config_file ...)"
         )

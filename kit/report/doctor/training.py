@@ -19,8 +19,8 @@ from kit.report.doctor.run import RunRecord, finite, fmt_steps
 from kit.run.checkpoint import (
     OPTIMIZER_FILE,
     SCHEDULER_FILE,
-    SHARDED_DIR,
     STATE_FILES,
+    sharded_by,
 )
 
 STABLE_FLAT = 1e-4  # stable loss changed by less than this share: nothing trains
@@ -179,8 +179,8 @@ def _resumes(run: RunRecord) -> list[int]:
 def _checkpoint_state(path: Path, step: int) -> list[str]:
     """What a checkpoint lacks for an exact resume."""
     out = []
-    # Under DeepSpeed the optimizer state is in the engine's own folder, one file per process.
-    sharded = (path / SHARDED_DIR).is_dir()
+    # Under DeepSpeed or FSDP the optimizer state is split by process, in its own folder.
+    sharded = sharded_by(path) is not None
     missing = [
         n for n in STATE_FILES if not (path / n).is_file() and not (sharded and n == OPTIMIZER_FILE)
     ]
