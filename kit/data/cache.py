@@ -2,7 +2,8 @@
 
 Latents are keyed by the image's bytes, its placement (bucket, crop, flip, frames), the VAE and
 the dtype; text embeddings by the text, the encoders and tokenizers, and the dtype. Entries are
-written atomically, one at a time, so an interrupted build resumes and never leaves half a file.
+written atomically, so an interrupted build resumes and never leaves half a file; where they are
+kept (one file each, or shards with an index) is the store's business (`kit.data.store`).
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from kit.config import Config
 from kit.data import video
 from kit.data.augment import augmentation_enabled, caption_variants
 from kit.data.buckets import BucketPlan, plan_dataset, with_mirrored
+from kit.data.datasets import views, weighted
 from kit.data.images import BadImage
+from kit.data.masks import MaskSource, bucket_mask, latent_mask, plan_masks
+from kit.data.masks import masked as any_masked
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
+from kit.data.store import EntryStore, FileStore, open_store
 from kit.errors import DataError
-from kit.io import write_with
 
 
 def default_cache_dir() -> Path:
@@ -64,13 +67,24 @@ class CachedDataset:
     digests: list[str]
     stats: dict[str, int] = field(default_factory=dict)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
-    """Images dropped while encoding (their pixels failed to decode), with why."""
+    """Images dropped before or while encoding (an unusable mask, pixels that failed to
+    decode), with why."""
     variant_texts: list[list[str]] = field(default_factory=list)
     """Per sample, the caption variants trained on (one unless augmented `caption_variants`)."""
     variant_files: list[list[Path]] = field(default_factory=list)
     """Per sample, the embedding file of each caption variant."""
     empty_text_file: Path | None = None
     """The empty caption's embedding (used by caption dropout), when wanted."""
+    loss_weights: list[float] = field(default_factory=list)
+    """Per sample, its dataset's `loss_weight`; empty when every weight is 1."""
+    names: list[str] = field(default_factory=list)
+    """The datasets' names, by `Sample.dataset` (empty for a single folder)."""
+    roles: list[str] = field(default_factory=list)
+    """The datasets' roles (`instance`, `prior`), by `Sample.dataset`."""
+    masks: list[MaskSource] = field(default_factory=list)
+    """Per sample, where its loss mask comes from (`masked_loss`); empty without masks."""
+    store: EntryStore = field(default_factory=FileStore)
+    """Where the entries are kept (`cache_format`): the entry paths above address it."""
 
     def kept(self) -> list[Sample]:
         """The samples trained on, once each (a mirrored twin is the same sample)."""
@@ -91,8 +105,8 @@ class CachedDataset:
     def missing(self) -> dict[str, int]:
         """Cache entries not yet written: latents and (distinct) text embeddings."""
         return {
-            "latents": sum(not f.is_file() for f in self.latent_files),
-            "text": sum(not f.is_file() for f in self.text_entries()),
+            "latents": sum(not self.store.has(f) for f in self.latent_files),
+            "text": sum(not self.store.has(f) for f in self.text_entries()),
         }
 
     def load_batch(
@@ -105,14 +119,19 @@ class CachedDataset:
         """
         out: dict[str, list[torch.Tensor]] = defaultdict(list)
         for j, i in enumerate(indices):
-            out["latents"].append(load_file(self.latent_files[i])["latents"])
+            entry = self.store.get(self.latent_files[i])
+            out["latents"].append(entry["latents"])
+            if "loss_mask" in entry:
+                out["loss_mask"].append(entry["loss_mask"])
             text = self.variant_files[i][variants[j] if variants else 0]
-            for k, v in load_file(text).items():
+            for k, v in self.store.get(text).items():
                 out[k].append(v)
             p = self.plan.placements[i]
             out["original_size"].append(torch.tensor([p.original[1], p.original[0]]))
             out["crop_top_left"].append(torch.tensor(list(p.crop)))
             out["target_size"].append(torch.tensor([p.bucket[1], p.bucket[0]]))
+        if self.loss_weights:
+            out["loss_weight"] = [torch.tensor(self.loss_weights[i]) for i in indices]
         return {k: torch.stack(v) for k, v in out.items()}
 
     def draw_variants(self, n: int, generator: torch.Generator) -> list[int] | None:
@@ -125,7 +144,7 @@ class CachedDataset:
         """The empty caption's cached embedding (caption dropout)."""
         if self.empty_text_file is None:
             raise DataError("the empty caption was not cached (build the cache with empty=True)")
-        return load_file(self.empty_text_file)
+        return self.store.get(self.empty_text_file)
 
     def manifest(self) -> list[dict[str, Any]]:
         """Per-sample record of what was trained on (file, hash, caption, bucket, crop); a sample
@@ -134,9 +153,19 @@ class CachedDataset:
         rows = []
         for i, (s, p, d) in enumerate(zip(self.kept(), placements, self.digests, strict=False)):
             row = {"image": str(s.image), "sha256": d, "caption": s.caption}
+            if self.names:
+                row.update(
+                    dataset=self.names[s.dataset],
+                    role=self.roles[s.dataset],
+                    repeats=self.plan.dataset_repeats[s.dataset],
+                )
             row.update({k: list(v) if isinstance(v, tuple) else v for k, v in p.record().items()})
             if self.plan.flip_twins:
                 row["mirrored_crop"] = list(placements[i + n].crop)
+            if self.masks:
+                m = self.masks[i]
+                row["mask"] = str(m.file) if m.file is not None else "alpha"
+                row["mask_sha256"] = m.digest if m.file is not None else d
             rows.append(row)
         return rows
 
@@ -158,9 +187,16 @@ def plan_cache(
     and the dtype. A changed image or caption therefore misses exactly its own entries.
     With `random_flip` every sample has a mirrored twin (its own entry, after the samples) and
     each epoch trains one of the two. `family` and `scanned` go to `plan_dataset`, so that
-    neither is built twice.
+    neither is built twice. With `masked_loss`, masks are checked first (an image with an
+    unusable mask is left out, in `skipped`), and each latent entry is keyed by its mask too.
     """
+    masked = plan_masks(cfg, family, scanned) if any_masked(cfg.data) else None
+    if masked is not None:
+        family, scanned = masked.family, masked.scanned
     samples, plan = plan_dataset(cfg, num_processes, family=family, scanned=scanned)
+    masks = masked.for_samples(samples) if masked is not None else []
+    if masked is not None:
+        plan.dropped = plan.dropped + masked.refused
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     latent_dir = root / "latents" / identity["vae"]
     text_dir = root / "text" / identity["text"]
@@ -168,19 +204,25 @@ def plan_cache(
     twins = 2 if cfg.data.random_flip else 1
     if twins == 2:
         plan = with_mirrored(plan)
-        samples, digests = plan.samples, digests * 2
+        samples, digests, masks = plan.samples, digests * 2, masks * 2
     # A posterior sample is a seeded draw: the mode and the seed key it (the mean's keys stay).
     drawn = () if cfg.data.latent_sampling == "mean" else ("sample", cfg.train.seed)
+    # Without masks the keys stay as they were; with them, the mask's digest joins the key.
+    mask_keys = [m.key() for m in masks] if masks else [()] * len(digests)
     latent_files = [
-        latent_dir / f"{_key(d, p.record(), str(LATENT_DTYPE), *drawn)}.safetensors"
-        for d, p in zip(digests, plan.placements, strict=True)
+        latent_dir / f"{_key(d, p.record(), str(LATENT_DTYPE), *drawn, *m)}.safetensors"
+        for d, p, m in zip(digests, plan.placements, mask_keys, strict=True)
     ]
-    augment = augmentation_enabled(cfg.data)
+    seen = views(cfg.data)
+    augment = [augmentation_enabled(v.data) for v in seen]
     # A twin trains on its sample's captions: the same entries, encoded once.
     texts = [
-        caption_variants(s.caption, cfg.data, cfg.train.seed) if augment else [s.caption]
+        caption_variants(s.caption, seen[s.dataset].data, cfg.train.seed)
+        if augment[s.dataset]
+        else [s.caption]
         for s in samples[: plan.size]
     ] * twins
+    weights = [seen[s.dataset].loss_weight for s in samples] if weighted(cfg.data) else []
 
     def text_file(text: str) -> Path:
         return text_dir / f"{_key(text, str(dtype))}.safetensors"
@@ -195,6 +237,12 @@ def plan_cache(
         variant_texts=texts,
         variant_files=variant_files,
         empty_text_file=text_file("") if empty else None,
+        loss_weights=weights,
+        names=[v.name for v in seen] if cfg.data.datasets else [],
+        roles=[v.role for v in seen] if cfg.data.datasets else [],
+        skipped=list(masked.refused) if masked is not None else [],
+        masks=masks,
+        store=open_store(cfg.data.cache_format, cfg.data.cache_compression),
     )
 
 
@@ -219,6 +267,33 @@ def fill_cache(
     comps: Any,
     device: torch.device | str = "cpu",
     progress: bool | None = None,
+    *,
+    share: tuple[int, int] = (0, 1),
+) -> CachedDataset:
+    """Encode the entries not yet cached, then write out whatever the store still buffers
+    (shards), also when encoding stops on an error, so that a resumed build redoes none of it.
+
+    `share=(index, count)` encodes only this process's share of the missing entries: of the
+    dataset's entries in plan order (text: in key order), every `count`-th from `index`. The
+    shares are disjoint and do not depend on what is cached, so `count` processes building at
+    once never encode an entry twice. A share leaves undecodable images in; the whole pass that
+    follows (after every process finished its share) finds and drops them on every process
+    alike, and encodes anything a share left missing.
+    """
+    try:
+        return _encode_missing(data, cfg, family, comps, device, progress, share)
+    finally:
+        data.store.flush()
+
+
+def _encode_missing(
+    data: CachedDataset,
+    cfg: Config,
+    family: Any,
+    comps: Any,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> CachedDataset:
     """Encode the entries not yet cached, one at a time, each written atomically.
 
@@ -231,8 +306,9 @@ def fill_cache(
 
     show = sys.stderr.isatty() if progress is None else progress
     stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
-    todo = [i for i, f in enumerate(data.latent_files) if not f.is_file()]
+    todo = [i for i, f in enumerate(data.latent_files) if not data.store.has(f)]
     stats["latents_reused"] = len(data.latent_files) - len(todo)
+    todo = [i for i in todo if i % share[1] == share[0]]  # this process's share
     bad: dict[int, str] = {}
     vae_dtype = comps.vae.dtype if todo else None
     if todo:
@@ -240,7 +316,8 @@ def fill_cache(
     for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
         s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
         try:
-            pixels = sample_pixels(s, p, cfg.data)
+            pixels = sample_pixels(s, p, views(cfg.data)[s.dataset].data)
+            mask = bucket_mask(data.masks[i], p) if data.masks else None
         except BadImage as e:  # a file whose header read fine but whose pixels do not
             bad[i] = str(e)
             continue
@@ -255,19 +332,24 @@ def fill_cache(
                 f"{s.image}: the VAE encoded this image to non-finite latents (inf or NaN); "
                 "nothing was cached for it. Check the file, or the VAE's weights"
             )
-        write_with(f, lambda tmp, lat=lat: save_file({"latents": lat}, str(tmp)))
+        entry = {"latents": lat}
+        if mask is not None:
+            entry["loss_mask"] = latent_mask(mask, lat.shape)
+        data.store.put(f, entry)
         stats["latents_encoded"] += 1
     if todo:
         comps.vae.to(dtype=vae_dtype)
-    if bad:
+    if bad and share[1] == 1:
         _drop_undecodable(data, bad)
     wanted: dict[Path, str] = {}
     for ts, fs in zip(data.variant_texts, data.variant_files, strict=True):
         wanted.update(zip(fs, ts, strict=True))
     if data.empty_text_file is not None:
         wanted[data.empty_text_file] = ""
-    missing = [(f, t) for f, t in sorted(wanted.items()) if not f.is_file()]
+    missing = [(f, t) for f, t in sorted(wanted.items()) if not data.store.has(f)]
     stats["text_reused"] = len(wanted) - len(missing)
+    mine = set(sorted(wanted)[share[0] :: share[1]])  # this process's share
+    missing = [(f, t) for f, t in missing if f in mine]
     bar = tqdm(
         total=len(missing), desc="cache text", unit="caption", disable=not show or not missing
     )
@@ -277,7 +359,7 @@ def fill_cache(
             enc = family.encode_text(comps, [t for _, t in chunk])
         for j, (path, _) in enumerate(chunk):
             tensors = {k: v[j].float().cpu().contiguous() for k, v in enc.items()}
-            write_with(path, lambda tmp, t=tensors: save_file(t, str(tmp)))
+            data.store.put(path, tensors)
             stats["text_encoded"] += 1
         bar.update(len(chunk))
     bar.close()
@@ -286,16 +368,21 @@ def fill_cache(
 
 
 def _drop_undecodable(data: CachedDataset, bad: dict[int, str]) -> None:
-    """Leave out samples whose pixels failed to decode, recording why."""
-    data.skipped = [(data.samples[i].image, why) for i, why in bad.items()]
+    """Leave out samples whose pixels (or mask) failed to decode, recording why."""
+    undecodable = [(data.samples[i].image, why) for i, why in bad.items()]
+    data.skipped = data.skipped + undecodable
     keep = [i for i in range(len(data.samples)) if i not in bad]
     if not keep:
-        raise DataError(f"no usable images: every image failed to decode ({data.skipped[0][1]})")
+        raise DataError(f"no usable images: every image failed to decode ({undecodable[0][1]})")
     names = ("samples", "digests", "latent_files", "text_files", "variant_texts", "variant_files")
+    if data.loss_weights:
+        names += ("loss_weights",)
+    if data.masks:
+        names += ("masks",)
     for name in names:
         setattr(data, name, [getattr(data, name)[i] for i in keep])
     plan = data.plan
-    plan.dropped = plan.dropped + data.skipped
+    plan.dropped = plan.dropped + undecodable
     plan.samples = data.samples
     plan.placements = [plan.placements[i] for i in keep]
 
