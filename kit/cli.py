@@ -9,19 +9,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from kit import cli_share
+from kit import cli_data, cli_share
+from kit.cli_data import config_of as _config
+from kit.cli_data import print_json as _print_json
 from kit.errors import KitError
-
-
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
-
-
-def _config(args: argparse.Namespace):
-    from kit.config import load_config, parse_override
-
-    overrides = dict(parse_override(s) for s in getattr(args, "set", None) or [])
-    return load_config(args.config, overrides)
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -61,87 +52,6 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_captions(args: argparse.Namespace) -> int:
-    from kit.data.captions import Edit, caption_report
-
-    cfg = _config(args)
-    if args.restore:
-        return _restore_captions(cfg, args)
-    edit = Edit(
-        replace=tuple(args.replace) if args.replace else None,
-        regex=args.regex,
-        strip=args.strip,
-        normalize=args.normalize,
-        prepend=args.prepend or "",
-        append=args.append or "",
-    )
-    if not edit.empty():
-        return _edit_captions(cfg, edit, args)
-    if args.apply:
-        raise KitError(
-            "--apply needs an edit: --prepend, --append, --replace, --strip or --normalize"
-        )
-    rep = caption_report(cfg)
-    if args.json:
-        _print_json(rep)
-        return 0
-    print(f"{rep['images']} images, {rep['captioned']} captioned")
-    for key in (
-        "missing_captions",
-        "orphan_captions",
-        "empty_captions",
-        "unreadable",
-        "duplicate_captions",
-        "duplicate_stems",
-    ):
-        if rep[key]:
-            print(f"{key}: {len(rep[key])} (first: {rep[key][0]})")
-    print("most common words:", ", ".join(f"{w} ({n})" for w, n in rep["top_words"][:15]))
-    if rep["tagged_captions"]:
-        print("most common tags:", ", ".join(f"{t} ({n})" for t, n in rep["top_tags"][:15]))
-    for word, share in rep["trigger_coverage"].items():
-        missing = rep["trigger_missing"][word]
-        first = f" (missing in {len(missing)}, first: {missing[0]})" if missing else ""
-        print(f"trigger word '{word}' in {share:.0%} of captions{first}")
-    for line in rep.get("truncation_warnings", []):
-        print(f"truncated: {line}")
-    return 0
-
-
-def _edit_captions(cfg, edit, args: argparse.Namespace) -> int:
-    """Show a bulk edit as a diff; write it (after a backup) only with --apply."""
-    from kit.data.captions import apply_edit, diff_text, plan_edit
-
-    changes = plan_edit(cfg, edit)
-    backup = apply_edit(cfg, changes) if args.apply and changes else None
-    if args.json:
-        _print_json(
-            {
-                "changes": [{"file": str(c.path), "old": c.old, "new": c.new} for c in changes],
-                "applied": backup is not None,
-                "backup": str(backup) if backup else None,
-            }
-        )
-        return 0
-    sys.stdout.write(diff_text(changes))
-    if not changes:
-        print("no caption file would change")
-    elif backup:
-        print(f"changed {len(changes)} caption file(s); the old ones are backed up in {backup}")
-    else:
-        print(f"{len(changes)} caption file(s) would change (dry run); add --apply to write them")
-    return 0
-
-
-def _restore_captions(cfg, args: argparse.Namespace) -> int:
-    """Put a caption backup back; the captions it replaces are backed up first."""
-    from kit.data.captions import restore_backup
-
-    before = restore_backup(cfg, args.restore)
-    print(f"restored captions from {args.restore}; the replaced ones are backed up in {before}")
-    return 0
-
-
 def cmd_buckets(args: argparse.Namespace) -> int:
     from kit.data.report import bucket_report, report_lines
 
@@ -160,7 +70,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from kit.preflight.estimate import GIB, GPUS, estimate
 
     cfg = _config(args)
-    est = estimate(cfg)
+    est = estimate(cfg, processes=args.processes, layout=args.layout)
     d = est.to_dict()
     budget = args.budget
     if args.gpu:
@@ -191,6 +101,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if budget is not None:
         print(f"{'budget':>24}  {budget} GiB: {'fits' if d['fits_budget'] else 'does not fit'}")
         for r in d.get("advice", []):
+            if "launch" in r:  # no setting fits one card: the fewest GPUs that hold the run
+                print(f"  - {r['launch']['summary']}, {r['changes']}: {r['launch']['command']}")
+                continue
             print(
                 f"  - {r['changes']}: {r['peak_gib']} GiB (host RAM {r['host_ram_gib']} GiB), "
                 f"about {r['slowdown']}x the time"
@@ -306,6 +219,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     p.save(args.out)
     for line in p.reasons():
         print(f"- {line}")
+    if p.launch:  # one card cannot hold the run: the multi-GPU launch planned
+        command = p.launch["command"].replace("CONFIG", str(args.out))
+        print(f"wrote {args.out}; launch it on {p.launch['processes']} GPUs: {command}")
+        return 0
     print(f"wrote {args.out}; train it with: kit train {args.out}")
     return 0
 
@@ -336,8 +253,20 @@ def cmd_accelerate_config(args: argparse.Namespace) -> int:
         deepspeed_stage=args.deepspeed_stage,
         offload_optimizer=args.offload_optimizer,
         mixed_precision=args.mixed_precision,
+        fsdp=args.fsdp,
+        fsdp_version=args.fsdp_version,
+        fsdp_offload=args.fsdp_offload,
+        machines=args.machines,
+        machine_rank=args.machine_rank,
+        main_process_ip=args.main_process_ip,
+        main_process_port=args.main_process_port,
     )
     print(f"wrote {out}; train with: accelerate launch --config_file {out} -m kit train CONFIG")
+    if args.machines > 1:
+        print(
+            f"on each of the {args.machines} machines: the same command, with that machine's "
+            "own file (written with its --machine-rank)"
+        )
     return 0
 
 
@@ -389,24 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(func=cmd_tiny)
 
-    sp = sub.add_parser(
-        "captions", help="report on the dataset's captions, or bulk-edit them (dry run by default)"
-    )
-    with_config(sp)
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--prepend", metavar="WORD", help="put WORD first where a caption lacks it")
-    sp.add_argument("--append", metavar="WORD", help="put WORD last where a caption lacks it")
-    sp.add_argument("--replace", nargs=2, metavar=("OLD", "NEW"), help="search and replace")
-    sp.add_argument("--regex", action="store_true", help="--replace's OLD is a regular expression")
-    sp.add_argument("--strip", action="store_true", help="strip whitespace at both ends")
-    sp.add_argument(
-        "--normalize", action="store_true", help='join tags with ", ", drop empty tags and spaces'
-    )
-    sp.add_argument(
-        "--apply", action="store_true", help="write the edit (after backing up every caption)"
-    )
-    sp.add_argument("--restore", metavar="BACKUP", help="put back a caption backup folder")
-    sp.set_defaults(func=cmd_captions)
+    cli_data.add_commands(sub, with_config)
 
     sp = sub.add_parser(
         "buckets", help="show the buckets, dropped images and steps per epoch training will use"
@@ -427,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--advise", action="store_true", help="show the best settings even when the config fits"
     )
+    sp.add_argument(
+        "--processes", type=int, default=1, help="GPUs the run is split over (memory per GPU)"
+    )
+    sp.add_argument(
+        "--layout",
+        default="ddp",
+        help="how several processes split the run: ddp, zero1, zero2 or fsdp (default ddp)",
+    )
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_estimate)
 
@@ -445,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     cli_share.add_commands(sub)
 
     sp = sub.add_parser("plan", help="propose a config from the dataset and the task, with reasons")
-    sp.add_argument("data_dir", help="folder of images and captions")
+    sp.add_argument(
+        "data_dir", nargs="?", default="", help="folder of images and captions (none: --config's datasets)"
+    )
     sp.add_argument("--task", required=True, choices=["character", "style", "concept"])
     sp.add_argument("--family", help="model family (default: the config's, else sd15)")
     sp.add_argument("--gpu", help="a card name from the estimator's table, to fit the batch to")
@@ -476,11 +398,24 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_compare)
 
     sp = sub.add_parser(
-        "accelerate-config", help="write an accelerate config file (DDP or DeepSpeed ZeRO)"
+        "accelerate-config", help="write an accelerate config file (DDP, DeepSpeed ZeRO or FSDP)"
     )
     sp.add_argument("config", nargs="?", help="kit config: its accumulation and clipping are used")
-    sp.add_argument("--processes", type=int, default=1, help="processes (GPUs) on this machine")
+    sp.add_argument(
+        "--processes", type=int, default=1, help="processes (GPUs), all machines together"
+    )
     sp.add_argument("--deepspeed-stage", type=int, help="DeepSpeed ZeRO stage (1 or 2)")
+    sp.add_argument(
+        "--fsdp", action="store_true", help="shard the trained weights too (FSDP; for ZeRO-3's use)"
+    )
+    sp.add_argument("--fsdp-version", type=int, default=2, help="FSDP version (2)")
+    sp.add_argument(
+        "--fsdp-offload", action="store_true", help="FSDP: parameter shards in CPU memory"
+    )
+    sp.add_argument("--machines", type=int, default=1, help="machines (nodes) in the launch")
+    sp.add_argument("--machine-rank", type=int, default=0, help="this machine's rank (0 first)")
+    sp.add_argument("--main-process-ip", help="address of machine 0 (several machines)")
+    sp.add_argument("--main-process-port", type=int, help="its port (default 29500)")
     sp.add_argument(
         "--offload-optimizer", action="store_true", help="optimizer state in CPU memory"
     )
