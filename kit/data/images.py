@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from kit.config.sections import parse_color
@@ -122,6 +121,8 @@ def _to_rgb(im: Image.Image, bg: tuple[int, int, int]) -> Image.Image:
 
 def _to_8bit(im: Image.Image) -> Image.Image:
     """A 16-bit or 32-bit grayscale image as 8-bit `L`, keeping its full range."""
+    import numpy as np  # here: only these rare images need it, and a scan never does
+
     arr = np.asarray(im).astype(np.float64)
     if im.mode == "F":
         scale = 1.0 if arr.max(initial=0.0) > 1.0 else 255.0  # floats in [0, 1] or in [0, 255]

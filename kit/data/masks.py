@@ -20,10 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from kit.config import Config, DataConfig
@@ -33,7 +32,10 @@ from kit.data.images import BadImage, probe
 from kit.data.pixels import load_pixels
 from kit.data.scan import IMAGE_EXTS, Sample, ScanReport, check_dataset
 from kit.errors import ConfigError, DataError
-from kit.families import get_family
+from kit.families import family_info
+
+if TYPE_CHECKING:
+    import torch
 
 ALPHA = "alpha"
 """`MaskSource.digest` of a mask read from the image's alpha channel: the image's own digest
@@ -235,7 +237,7 @@ def plan_masks(cfg: Config, family: Any = None, scanned: ScanReport | None = Non
     """
     check_mask_dirs(cfg.data)
     if family is None:
-        family = get_family(cfg.model.model_family, cfg)
+        family = family_info(cfg.model.model_family)
     if scanned is None:
         scanned = check_dataset(cfg.data, family)
     plan = MaskPlan(scanned, family)
@@ -313,6 +315,8 @@ def read_mask(source: MaskSource) -> np.ndarray:
 def fit_mask(mask: np.ndarray, placement: Placement) -> torch.Tensor:
     """The mask fitted to the bucket as the pixels are (`kit.data.pixels`): resized with the same
     filter (so its edges fall where the image's do), mirrored, then cropped; (H, W) in [0, 1]."""
+    import torch  # here, not at the top: a bucket report imports this module without torch
+
     im = Image.fromarray(np.ascontiguousarray(mask, dtype=np.float32), "F")
     im = im.resize(placement.resized, Image.Resampling.LANCZOS)
     if placement.flip:
@@ -326,6 +330,8 @@ def fit_mask(mask: np.ndarray, placement: Placement) -> torch.Tensor:
 
 def bucket_mask(source: MaskSource, placement: Placement) -> torch.Tensor:
     """The sample's mask as its pixels are trained: (H, W) on the bucket's pixel grid."""
+    import torch
+
     if source.digest == WHOLE:
         return torch.ones(placement.bucket[1], placement.bucket[0])
     return fit_mask(read_mask(source), placement)
@@ -343,6 +349,8 @@ def latent_mask(mask: torch.Tensor, latent_shape: tuple[int, ...] | torch.Size) 
     mask comes out (1, h, w), or (1, F, h, w) with every latent frame masked alike. Each cell
     holds the mean of the pixels it covers (an area average).
     """
+    import torch
+
     h, w = int(latent_shape[-2]), int(latent_shape[-1])
     grid = torch.nn.functional.adaptive_avg_pool2d(mask.float()[None, None], (h, w))[0]
     if len(latent_shape) == 4:

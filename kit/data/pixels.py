@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from kit.config import DataConfig
@@ -13,6 +13,9 @@ from kit.data import video
 from kit.data.buckets import Placement
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
 from kit.data.scan import Sample
+
+if TYPE_CHECKING:
+    import torch
 
 
 def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torch.Tensor:
@@ -31,6 +34,8 @@ def load_pixels(
 
     An image that cannot be decoded raises `BadImage`; `background` fills transparent parts.
     """
+    import torch  # here, not at the top: a bucket report imports this module without torch
+
     if placement.frames:
         frames = video.read_frames(path, placement.frames)
         return torch.stack([_fit(f, placement) for f in frames], dim=1)
@@ -52,5 +57,7 @@ def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
     top, left = placement.crop
     bw, bh = placement.bucket
     im = im.crop((left, top, left + bw, top + bh))
+    import torch
+
     arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(arr).permute(2, 0, 1).contiguous()

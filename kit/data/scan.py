@@ -172,7 +172,13 @@ def _walk(root: Path) -> _Tree:
         subdirs[:] = keep
         dirs += [Path(top, d) for d in keep]
         files += [Path(top, n) for n in names if not n.startswith(".")]
-    return _Tree(sorted(files), sorted(dirs), sorted(loops))
+    # Sorted by parts, the order Paths compare in, with each key built once rather than per
+    # comparison (a third of a scan of 10,000 files went to comparing Paths).
+    return _Tree(sorted(files, key=_parts), sorted(dirs, key=_parts), sorted(loops, key=_parts))
+
+
+def _parts(path: Path) -> tuple[str, ...]:
+    return path.parts
 
 
 def _images_of(tree: _Tree) -> list[Path]:
@@ -279,14 +285,14 @@ def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:
     clip_set = set(clips)
     in_clips = {f for c in clips if c.is_dir() for f in video.frame_files(c)}
     images = [p for p in _images_of(tree) if p not in in_clips]
-    stems = Counter(p if p.is_dir() else p.with_suffix("") for p in images + clips)
+    folders = set(tree.dirs)
+    stems = Counter(p if p in folders else p.with_suffix("") for p in images + clips)
     report.duplicate_stems = sorted(str(s) for s, n in stems.items() if n > 1)
     ambiguous = set(report.duplicate_stems) if cfg.caption_strategy == "textfile" else set()
     rule = family.frame_count if family is not None and family.video else None
     used_captions = set()
     # The walk already listed every file: caption look-ups need no system call per image.
     listed = set(tree.files) if not cfg.caption_dir else None
-    folders = set(tree.dirs)
     for path in sorted(images + clips):
         is_clip = path in clip_set
         is_dir = path in folders
@@ -339,7 +345,13 @@ def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:
         report.samples.append(Sample(path, caption, w, h, frames, total, is_clip))
     if cfg.caption_strategy == "textfile":
         cap_root = Path(cfg.caption_dir) if cfg.caption_dir else image_dir
-        for cap in sorted(cap_root.rglob("*" + cfg.caption_extension)):
+        # Captions beside the images were listed by the walk: the folder is not read twice.
+        found = (
+            sorted(cap_root.rglob("*" + cfg.caption_extension))
+            if cfg.caption_dir
+            else [p for p in tree.files if p.name.endswith(cfg.caption_extension)]
+        )
+        for cap in found:
             if os.path.abspath(cap) not in used_captions and not any(
                 part.startswith(".") for part in cap.relative_to(cap_root).parts
             ):
