@@ -4,6 +4,10 @@ Every suggestion is a set of config keys with values the config accepts (`set`, 
 `kit train -s key=value` arguments in `changes`), so a row can be applied as it is printed. Rows
 are ranked by predicted time per sample; those that change what is learned (a lower resolution,
 leaving T5 out) come after every row that does not.
+
+Where no setting fits one card, the same search runs per GPU under the multi-GPU layouts
+(kit.preflight.layout), fewest GPUs first: the row then carries the launch that makes it
+(`kit accelerate-config --processes N --fsdp`) beside its config keys.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from kit.preflight.estimate import (
     cached_trace,
     estimate,
     from_trace,
+    fsdp_units,
 )
+from kit.preflight.layout import Layout
 from kit.preflight.storage import QUANT_SLOWDOWN, check_quant, swap_choices, swap_slowdown
 from kit.preflight.trace import Shape
 
@@ -40,6 +46,15 @@ GRADED = ("train_batch_size", "gradient_accumulation_steps", "blocks_to_swap", "
 already found is no alternative to it."""
 SMALLER_BATCH_SLOWDOWN = 0.075
 """Extra time per sample for each halving of the batch: smaller matmuls use the card less well."""
+GPU_COUNTS = (2, 4, 8, 16)
+"""GPUs the multi-GPU advice tries, fewest first: up to one machine of 8, then two."""
+MACHINE_GPUS = 8
+LAYOUT_SLOWDOWN = {"ddp": 1.0, "zero2": 1.05, "fsdp": 1.15}
+"""Time per sample on each GPU relative to one card's run: ZeRO-2 reduce-scatters and gathers
+the weights after the step; FSDP gathers every unit twice per step and waits on what overlap
+does not hide."""
+LAUNCH_FLAGS = {"ddp": "", "zero2": " --deepspeed-stage 2", "fsdp": " --fsdp"}
+LAYOUT_TITLES = {"ddp": "DDP", "zero2": "DeepSpeed ZeRO-2", "fsdp": "FSDP"}
 
 
 @dataclass(frozen=True)
@@ -200,73 +215,153 @@ def advise(
     top: int = 3,
     max_traces: int = 24,
     host_gib: float | None = None,
+    multi_gpu: bool = True,
 ) -> list[dict[str, Any]]:
     """The `top` cheapest settings that fit `budget_gib` (and `host_gib` of host RAM, when
     given), cheapest first, with their peaks.
 
     Candidates are tried in order of (steps away from what the config learns, predicted time
     per sample), so only the traces that might fit are run; a candidate that only adds changes
-    to a row already found is skipped, so the rows are real alternatives.
+    to a row already found is skipped, so the rows are real alternatives. Where no setting fits
+    one card and `multi_gpu` is on, the rows are those of the fewest GPUs of `budget_gib` each
+    that hold the run (`multi_gpu_advice`).
     """
-    t = cfg.train
-    traces = _Traces(cfg, max_traces)
-    base_cfg, _, _, (height, width) = traces.setup(cfg.data.resolution, cfg.model.use_t5)
-    precision = "no" if t.mixed_precision == "fp32" else t.mixed_precision
-    base_shape = Shape(
-        height,
-        width,
-        t.train_batch_size,
-        t.gradient_checkpointing,
-        precision,
-        t.gradient_accumulation_steps > 1,
-    )
-    base_trace = traces.get(base_cfg, base_shape, cfg.model.use_t5)
-    opts = options(cfg, card, base_trace["storage"])
-    combos = []
-    for combo in itertools.product(*opts.values()):
-        cost = functools.reduce(lambda a, o: a * o.cost, combo, 1.0)
-        combos.append((sum(o.penalty for o in combo), cost, combo))
-    combos.sort(key=lambda c: (c[0], c[1]))
-    current = cfg.to_dict(flat=True)
-    found: list[dict[str, Any]] = []
-    for penalty, cost, combo in combos:
-        s = {k: v for o in combo for k, v in o.keys.items()}
-        changes = {k: v for k, v in s.items() if current[k] != v}
-        if any(_signature(r["set"]) <= _signature(changes) for r in found):
-            continue
-        if s["base_quantization"] != "none" and s["blocks_to_swap"]:
-            continue  # training swaps no quantized weights (kit.train.offload)
-        run_cfg, family, method, (height, width) = traces.setup(s["resolution"], s["use_t5"])
-        shape = Shape(
+    search = _Search(cfg, max_traces, card)
+    found = search.rows(budget_gib, top, host_gib, Layout())
+    if found or not multi_gpu:
+        return found
+    return search.multi_gpu(budget_gib, top, host_gib)
+
+
+def multi_gpu_advice(
+    cfg: Config,
+    budget_gib: float,
+    *,
+    card: str | None = None,
+    top: int = 3,
+    max_traces: int = 24,
+    host_gib: float | None = None,
+) -> list[dict[str, Any]]:
+    """Rows for the fewest GPUs (of `GPU_COUNTS`) of `budget_gib` each that hold the run, under
+    DDP, ZeRO-2 or FSDP, cheapest first: each with its launch (`launch`: processes, layout and
+    the `kit accelerate-config` command) and its per-GPU peak."""
+    return _Search(cfg, max_traces, card).multi_gpu(budget_gib, top, host_gib)
+
+
+class _Search:
+    """The search over settings of one config, sharing its traces between layouts."""
+
+    def __init__(self, cfg: Config, max_traces: int, card: str | None) -> None:
+        t = cfg.train
+        self.cfg = cfg
+        self.traces = _Traces(cfg, max_traces)
+        base_cfg, _, _, (height, width) = self.traces.setup(cfg.data.resolution, cfg.model.use_t5)
+        self.precision = "no" if t.mixed_precision == "fp32" else t.mixed_precision
+        self.base_shape = Shape(
             height,
             width,
-            s["train_batch_size"],
-            s["gradient_checkpointing"],
-            s["mixed_precision"],
-            s["gradient_accumulation_steps"] > 1,
+            t.train_batch_size,
+            t.gradient_checkpointing,
+            self.precision,
+            t.gradient_accumulation_steps > 1,
         )
-        setup = (run_cfg, family, method)
-        same_parts = s["mixed_precision"] == precision and s["use_t5"] == cfg.model.use_t5
-        if same_parts and not traces.has(shape, s["use_t5"]):
-            # The weights, the setup and the optimizer state do not depend on the traced shape:
-            # a candidate whose floor alone exceeds the budget needs no trace of its own.
-            floor = _assemble(setup, s, base_trace, base_shape).floor_bytes
-            if floor > budget_gib * GIB:
-                continue
-        tr = traces.get(run_cfg, shape, s["use_t5"])
-        if tr is None:
-            continue
-        est = _assemble(setup, s, tr, shape)
-        if est.fits(budget_gib) and (host_gib is None or est.fits_host(host_gib)):
-            found.append(_advice_row(est, changes, cost, penalty))
-            if len(found) >= top:
+        self.base_trace = self.traces.get(base_cfg, self.base_shape, cfg.model.use_t5)
+        self.opts = options(cfg, card, self.base_trace["storage"])
+
+    def multi_gpu(
+        self, budget_gib: float, top: int, host_gib: float | None
+    ) -> list[dict[str, Any]]:
+        # More GPUs before anything that changes what is learned (a lower resolution, no T5).
+        for learning in (False, True):
+            for n in GPU_COUNTS:
+                found = []
+                for kind in ("zero2", "fsdp"):  # DDP holds more than one card: never the way
+                    found += self.rows(budget_gib, 1, host_gib, Layout(kind, n), learning)
+                if found:
+                    return sorted(found, key=lambda r: r["slowdown"])[:top]
+        return []
+
+    def rows(
+        self,
+        budget_gib: float,
+        top: int,
+        host_gib: float | None,
+        layout: Layout,
+        learning: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Up to `top` rows under `layout`; `learning`: also rows that change what is learned."""
+        cfg, traces, base_trace, base_shape = (
+            self.cfg,
+            self.traces,
+            self.base_trace,
+            self.base_shape,
+        )
+        opts = self.opts
+        if layout.split != "single":  # what no launch of several processes takes
+            opts = {**opts, "blocks_to_swap": [o for o in opts["blocks_to_swap"] if not o.value]}
+        if layout.split in ("zero2", "fsdp"):
+            opts["base_quantization"] = [o for o in opts["base_quantization"] if o.value == "none"]
+        if not all(opts.values()):
+            return []
+        combos = []
+        for combo in itertools.product(*opts.values()):
+            cost = functools.reduce(lambda a, o: a * o.cost, combo, 1.0)
+            combos.append((sum(o.penalty for o in combo), cost, combo))
+        combos.sort(key=lambda c: (c[0], c[1]))
+        current = cfg.to_dict(flat=True)
+        effective = cfg.train.train_batch_size * cfg.train.gradient_accumulation_steps
+        found: list[dict[str, Any]] = []
+        for penalty, cost, combo in combos:
+            if penalty and not learning:
                 break
-    return found
+            s = {k: v for o in combo for k, v in o.keys.items()}
+            if layout.processes > 1:  # the same effective batch, over every GPU's batches
+                per_step = s["train_batch_size"] * layout.processes
+                s["gradient_accumulation_steps"] = max(1, -(-effective // per_step))
+            changes = {k: v for k, v in s.items() if current[k] != v}
+            if any(_signature(r["set"]) <= _signature(changes) for r in found):
+                continue
+            if s["base_quantization"] != "none" and s["blocks_to_swap"]:
+                continue  # training swaps no quantized weights (kit.train.offload)
+            run_cfg, family, method, (height, width) = traces.setup(s["resolution"], s["use_t5"])
+            shape = Shape(
+                height,
+                width,
+                s["train_batch_size"],
+                s["gradient_checkpointing"],
+                s["mixed_precision"],
+                s["gradient_accumulation_steps"] > 1,
+            )
+            split = layout
+            if layout.kind == "fsdp" and layout.split != "single":
+                split = Layout(layout.kind, layout.processes, fsdp_units(run_cfg))
+            setup = (run_cfg, family, method, split)
+            try:
+                same_parts = (
+                    s["mixed_precision"] == self.precision and s["use_t5"] == cfg.model.use_t5
+                )
+                if same_parts and not traces.has(shape, s["use_t5"]):
+                    # The weights, the setup and the optimizer state do not depend on the traced
+                    # shape: a candidate whose floor alone exceeds the budget needs no trace.
+                    floor = _assemble(setup, s, base_trace, base_shape).floor_bytes
+                    if floor > budget_gib * GIB:
+                        continue
+                tr = traces.get(run_cfg, shape, s["use_t5"])
+                if tr is None:
+                    continue
+                est = _assemble(setup, s, tr, shape)
+            except ConfigError:
+                continue  # a pair this layout's launch refuses (kit.preflight.layout)
+            if est.fits(budget_gib) and (host_gib is None or est.fits_host(host_gib)):
+                found.append(_advice_row(est, changes, cost, penalty))
+                if len(found) >= top:
+                    break
+        return found
 
 
 def _assemble(setup: tuple, s: dict[str, Any], tr: dict[str, Any], shape: Shape) -> Estimate:
     """The estimate of settings `s` (config key → value) on a trace of `shape`."""
-    cfg, family, method = setup
+    cfg, family, method, layout = setup
     return from_trace(
         cfg,
         tr,
@@ -277,7 +372,17 @@ def _assemble(setup: tuple, s: dict[str, Any], tr: dict[str, Any], shape: Shape)
         accumulation=s["gradient_accumulation_steps"],
         method=method,
         family=family,
+        layout=layout,
     )
+
+
+def _launch_command(n: int, kind: str) -> str:
+    """The `kit accelerate-config` line of a launch on `n` GPUs (8 to a machine)."""
+    machines = -(-n // MACHINE_GPUS)
+    command = f"kit accelerate-config CONFIG --processes {n}{LAUNCH_FLAGS[kind]}"
+    if machines > 1:
+        command += f" --machines {machines} --machine-rank RANK --main-process-ip IP"
+    return command
 
 
 def _signature(changes: dict[str, Any]) -> set[tuple[str, Any]]:
@@ -288,14 +393,30 @@ def _advice_row(
     est: Estimate, changes: dict[str, Any], cost: float, penalty: int
 ) -> dict[str, Any]:
     s = est.settings
+    n, kind = est.processes, est.layout
+    row: dict[str, Any] = {}
+    if kind != "single":
+        cost *= LAYOUT_SLOWDOWN[kind]
+        row["launch"] = {
+            "processes": n,
+            "layout": kind,
+            "per_gpu_gib": round(est.peak_bytes / GIB, 2),
+            "command": _launch_command(n, kind),
+            "summary": f"{LAYOUT_TITLES[kind]} on {n} GPUs: {est.peak_bytes / GIB:.1f} GiB per GPU",
+        }
     return {
+        **row,
         "changes": format_changes(changes) or "(as configured)",
         "set": changes,
         "peak_gib": round(est.peak_bytes / GIB, 2),
         "host_ram_gib": round(est.host_bytes / GIB, 2),
         "slowdown": round(cost, 2),
         "changes_learning": penalty > 0,
-        "settings": {k: s[k] for k in s if k not in ("height", "width", "trainable_params")},
+        "settings": {
+            k: s[k]
+            for k in s
+            if k not in ("height", "width", "trainable_params", "layout", "processes")
+        },
         "estimate": est,
     }
 
@@ -349,4 +470,14 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Option", "advise", "fit_table", "format_changes", "markdown_table", "options"]
+__all__ = [
+    "GPU_COUNTS",
+    "LAYOUT_SLOWDOWN",
+    "Option",
+    "advise",
+    "fit_table",
+    "format_changes",
+    "markdown_table",
+    "multi_gpu_advice",
+    "options",
+]

@@ -5,6 +5,9 @@ optimizer state and EMA follow from the trained parameters' shapes, and a quanti
 swapped blocks from the trace's inventory of the frozen weights (kit.preflight.storage). Host RAM
 is estimated beside VRAM, since a base that fits the card can still overflow the machine while it
 loads. Traces are remembered in this process and on disk, keyed by what they depend on.
+
+Under several processes (`processes`, `layout`) every component is what one GPU holds; the
+rules of each layout are in `Layout`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from kit.families import Family, get_family
 from kit.families.identity import fingerprint
 from kit.families.shipped import config_source
 from kit.methods import Method, get_method
+from kit.preflight.layout import LAYOUTS, ZERO_BUCKET, Layout, layout_note, part, wrapped_units
 from kit.preflight.storage import check_quant, check_swap, stored, swap_plan
 from kit.preflight.trace import Shape, trace
 
@@ -44,7 +48,14 @@ ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share
 HOST_PROCESS = int(2.5 * GIB)  # Python, PyTorch and the CUDA libraries in host memory
 VERSION = 5  # bump when the trace changes: keys the on-disk cache
 
-PERSISTENT = ("_weights", "swap_buffers", "trainable_weights", "optimizer_state", "ema")
+PERSISTENT = (
+    "_weights",
+    "swap_buffers",
+    "trainable_weights",
+    "optimizer_state",
+    "ema",
+    "gradient_buckets",
+)
 """Endings of the components that stay through the whole run."""
 
 # ---------------------------------------------------------------- the result
@@ -64,6 +75,10 @@ class Estimate:
     """Peak host RAM by component, in bytes: the process, and either the base as it loads or
     (when larger) what stays in training: swapped blocks, batches read from the cache, an EMA
     kept on the CPU. The components of the other phase are 0."""
+    layout: str = "single"
+    """How the run is split over GPUs (`Layout`): `single`, `ddp`, `zero1`, `zero2`, `fsdp`;
+    the components are then one GPU's, and host RAM one process's."""
+    processes: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -134,6 +149,8 @@ class Estimate:
             "details": self.details,
             "settings": self.settings,
             "fits": {name: self.fits(gib) for name, gib in GPUS.items()},
+            "layout": self.layout,
+            "processes": self.processes,
             "notes": self.notes,
         }
 
@@ -146,7 +163,7 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _trace_key(cfg: Config, shape: Shape) -> str:
+def _trace_key(cfg: Config, shape: Shape | None) -> str:
     family = get_family(cfg.model.model_family, cfg)
     source = config_source(family.model_source(cfg.model.pretrained_model))
     configs = {}
@@ -163,7 +180,7 @@ def _trace_key(cfg: Config, shape: Shape) -> str:
             "model": [m.max_sequence_length, m.use_t5],
             "frames": [d.num_frames, d.frame_stride],
             "network": cfg.to_dict()["network"],
-            "shape": shape.__dict__,
+            "shape": shape.__dict__ if shape else None,
         }
     )
 
@@ -173,7 +190,17 @@ _MEMO: dict[str, dict[str, Any]] = {}
 
 def cached_trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     """`trace`, remembered in this process and on disk (a repeat costs a file read)."""
-    key = _trace_key(cfg, shape)
+    return _remembered(_trace_key(cfg, shape), lambda: trace(cfg, shape))
+
+
+def fsdp_units(cfg: Config) -> dict[str, int]:
+    """The denoiser's FSDP units as the kit's FSDP launch wraps them (`Layout`), remembered like
+    the traces: their count, the parameters of the largest (and how many of them train), and
+    what is left to the root unit."""
+    return _remembered("units-" + _trace_key(cfg, None), lambda: wrapped_units(cfg))
+
+
+def _remembered(key: str, compute: Any) -> dict[str, Any]:
     if key in _MEMO:
         return _MEMO[key]
     path = _cache_dir() / f"{key}.json"
@@ -181,7 +208,7 @@ def cached_trace(cfg: Config, shape: Shape) -> dict[str, Any]:
         with contextlib.suppress(ValueError, OSError):
             _MEMO[key] = json.loads(path.read_text())
             return _MEMO[key]
-    result = trace(cfg, shape)
+    result = compute()
     _MEMO[key] = result
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -228,9 +255,12 @@ def estimate(
     blocks_to_swap: int | None = None,
     use_t5: bool | None = None,
     bucket: tuple[int, int] | None = None,
+    processes: int = 1,
+    layout: str = "ddp",
 ) -> Estimate:
     """Estimate peak VRAM and host RAM of the configured run; keyword arguments override the
-    config fields of the same names (`batch_size` is `train_batch_size`)."""
+    config fields of the same names (`batch_size` is `train_batch_size`). With `processes`
+    above 1, the memory of one of that many GPUs under `layout` (see `Layout`)."""
     t, m = cfg.train, cfg.model
     if use_t5 is not None and use_t5 != m.use_t5:
         cfg = cfg.replace(use_t5=use_t5)
@@ -248,6 +278,10 @@ def estimate(
         t.blocks_to_swap if blocks_to_swap is None else blocks_to_swap,
     )
     check_quant(storage.quantization, method)
+    split = Layout(layout, processes)
+    split.check(cfg, storage.quantization, storage.swap, method)
+    if split.kind == "fsdp":
+        split = Layout(layout, processes, fsdp_units(cfg))
     shape = Shape(height, width, batch_size or t.train_batch_size, bool(ckpt), precision, accum > 1)
     return from_trace(
         cfg,
@@ -259,6 +293,7 @@ def estimate(
         accumulation=accum,
         method=method,
         family=family,
+        layout=split,
     )
 
 
@@ -281,10 +316,13 @@ def from_trace(
     accumulation: int,
     method: Method,
     family: Family,
+    layout: Layout | None = None,
 ) -> Estimate:
     """The estimate from one trace: arithmetic only, so the advice can try many settings on it."""
+    layout = layout or Layout()
     inv = tr["storage"]
     quant, swap = storage.quantization, storage.swap
+    layout.check(cfg, quant, swap, method)
     check_swap(swap, inv["blocks"], family.name, method.whole_denoiser, quant)
     plan = swap_plan(inv["blocks"], swap)
     comps: dict[str, int] = {}
@@ -295,23 +333,61 @@ def from_trace(
     comps["swap_buffers"] = plan["staging"]
     trained = tr["trained_bytes"]
     optim = tr["optimizer"][optimizer]
+    half = 4 if shape.precision == "no" else 2
+    procs, split = layout.processes, layout.split
+    sharded = split in ("zero1", "zero2", "fsdp")
+    low = trained * half // 4  # the trained weights (or their gradients) in the compute dtype
+    if split == "fsdp" and "denoiser_weights" in comps:
+        comps["denoiser_weights"] = part(comps["denoiser_weights"], procs)
     comps["trainable_weights"] = trained
     comps["optimizer_state"] = optim["state"]
+    if sharded:
+        master = part(trained, procs)
+        comps["trainable_weights"] = master + (low if split != "fsdp" else 0)
+        comps["optimizer_state"] = part(optim["state"], procs)
     o = cfg.objective
     comps["ema"] = trained if o.ema_decay > 0 and not o.ema_on_cpu else 0
+    if split != "single":
+        zero_bucket = ZERO_BUCKET * half if split != "fsdp" else 0
+        comps["gradient_buckets"] = trained if split == "ddp" else zero_bucket
     persistent = sum(comps.values())
 
     # A quantized layer is unpacked into the compute dtype for its matmul (and again for its
     # backward), one layer at a time.
-    half = 4 if shape.precision == "no" else 2
     largest = max((q["largest"] for q in inv["quantized"].values()), default=0)
     dequant = 2 * largest * half if quant != "none" else 0
     peak = dict(tr["peak"])
-    step_peak = sum(peak.values()) + dequant
+    casts = 0
+    if sharded and half == 2:
+        # The trace counts autocast's half-precision copies of the fp32 trained weights; here
+        # the weights are already in half precision when they compute, and nothing is copied.
+        casts = low
+        for k in sorted(peak, key=lambda k: (k != "backward", -peak[k])):
+            if k not in ("batch", "loss", "gradients"):
+                took = min(casts, peak[k])
+                peak[k] -= took
+                casts -= took
+        casts = low - casts
+    traced_grads = peak.get("gradients", 0)
+    peak["gradients"] = {
+        "zero1": traced_grads * half // 4,
+        "zero2": part(traced_grads * half // 4, procs),
+        "fsdp": part(traced_grads, procs),
+    }.get(split, traced_grads)
+    gathered = 0
+    if split == "fsdp":
+        u = layout.units or {}
+        gathered = (2 * u.get("largest", 0) + u.get("root", 0) + u.get("largest_trained", 0)) * half
+    fsdp_gathered = gathered
+    step_peak = sum(peak.values()) + dequant + gathered
     grads_always = trained if shape.grads_persist else 0
+    if sharded and shape.grads_persist:
+        grads_always = part(low, procs) if split == "zero2" else low
     # The optimizer step: every gradient, plus the optimizer's temporaries (and EMA's move-in).
     ema_move = trained if o.ema_decay > 0 and o.ema_on_cpu else 0
-    at_step = trained + max(optim["step"], ema_move)
+    step_grads = part(trained, procs) if sharded else trained
+    step_temp = part(optim["step"], procs) if sharded else optim["step"]
+    at_step = step_grads + max(step_temp, ema_move)
     groups = {k: v for k, v in peak.items() if k not in ("batch", "loss", "backward", "gradients")}
     if step_peak + grads_always >= at_step:
         phase = "backward" if peak.get("backward", 0) or peak.get("gradients", 0) else "forward"
@@ -323,11 +399,14 @@ def from_trace(
     else:
         phase = "optimizer step"
         groups = {}
-        comps["gradients"] = trained
+        gathered = 0
+        comps["gradients"] = step_grads
         comps["batch"] = 0
         comps["activations"] = 0
         comps["dequant_buffers"] = 0
-        comps["backward_buffers"] = at_step - trained
+        comps["backward_buffers"] = at_step - step_grads
+    if split == "fsdp":
+        comps["gathered_weights"] = gathered
     allocated = sum(comps.values())
     comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
     comps["cuda_context"] = CUDA_CONTEXT
@@ -348,8 +427,8 @@ def from_trace(
     }
     host_phase = "load" if sum(loading.values()) >= sum(training.values()) else "training"
     host = {"process": HOST_PROCESS}
-    for phase_name, part in (("load", loading), ("training", training)):
-        host.update({k: v if phase_name == host_phase else 0 for k, v in part.items()})
+    for phase_name, phase_part in (("load", loading), ("training", training)):
+        host.update({k: v if phase_name == host_phase else 0 for k, v in phase_part.items()})
 
     notes = [
         f"the peak falls in the {phase}; persistent state is {persistent / GIB:.2f} GiB",
@@ -396,6 +475,8 @@ def from_trace(
         )
     if shape.precision == "no":
         notes.append("fp32 training: bf16 mixed precision roughly halves activations")
+    if split != "single":
+        notes.append(layout_note(layout, comps, casts, fsdp_gathered, shape.grads_persist))
     settings = {
         "resolution": resolution,
         "height": shape.height,
@@ -409,6 +490,8 @@ def from_trace(
         "blocks_to_swap": swap,
         "use_t5": cfg.model.use_t5,
         "trainable_params": tr["learned"],
+        "processes": procs,
+        "layout": split,
     }
     details = {
         "activations_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
@@ -424,7 +507,7 @@ def from_trace(
         "swappable_blocks": len(inv["blocks"]),
         "cache_bytes_per_sample": tr["inputs_bytes"] // max(1, shape.batch),
     }
-    return Estimate(comps, settings, notes, details, host)
+    return Estimate(comps, settings, notes, details, host, split, procs)
 
 
 def _setup_phase(
@@ -466,11 +549,14 @@ __all__ = [
     "GIB",
     "GPUS",
     "NO_BF16",
+    "LAYOUTS",
     "Estimate",
+    "Layout",
     "Storage",
     "bucket_size",
     "cached_trace",
     "estimate",
     "forget_traces",
     "from_trace",
+    "fsdp_units",
 ]

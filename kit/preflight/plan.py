@@ -4,7 +4,9 @@ The rules are the usual ones of LoRA guides, made explicit: rank by task; an eff
 8–16 (gradient accumulation where memory is short, checked with the VRAM estimator); the
 learning rate by method at an effective batch of 8, scaled by the square root of the batch;
 steps from the dataset size and the views per image the task needs; cosine decay with a 5%
-warm-up; validation and checkpoints at eight points, with three groups of prompts.
+warm-up; validation and checkpoints at eight points, with three groups of prompts. A run no
+single card holds (a full fine-tune of a large model) is planned over several GPUs, with the
+launch that splits it (`Plan.launch`).
 """
 
 from __future__ import annotations
@@ -100,12 +102,17 @@ class Plan:
     config: Config
     proposals: list[Proposal]
     dataset: dict[str, Any] = field(default_factory=dict)
+    launch: dict[str, Any] = field(default_factory=dict)
+    """Where one card cannot hold the run: the processes, layout, per-GPU GiB and the
+    `kit accelerate-config` command of the multi-GPU launch planned (empty on one card)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The sectioned config, with the reasons under `_plan` (the loader skips `_` keys)."""
+        launch = {"_launch": self.launch} if self.launch else {}
         return {
             "_plan": [p.line() for p in self.proposals],
             "_dataset": self.dataset,
+            **launch,
             **self.config.to_dict(),
         }
 
@@ -250,16 +257,27 @@ def plan(
             trigger_words=triggers,
         )
 
-    # Network: kind, rank and alpha.
+    # Network: kind, rank and alpha; a config that asks for a full fine-tune keeps it.
     rank = rule.rank if n >= 10 else rule.rank // 2
     small = f"; halved as {n} images (<10) carry little detail" if n < 10 else ""
-    propose(
-        f"{task}: rank {rule.rank} ({rule.why}){small}; alpha = rank keeps the update scale at 1.0, "
-        "so the learning rate below means what the usual tables mean; LoRA loads everywhere",
-        network_type="lora",
-        lora_rank=rank,
-        lora_alpha=float(rank),
-    )
+    if (
+        base is not None
+        and get_method(base, get_family(base.model.model_family, base)).whole_denoiser
+    ):
+        kind = base.network.network_type
+        propose(
+            f"the config trains every weight of the denoiser (network_type {kind}); no rank",
+            network_type=kind,
+        )
+    else:
+        propose(
+            f"{task}: rank {rule.rank} ({rule.why}){small}; alpha = rank keeps the update scale "
+            "at 1.0, so the learning rate below means what the usual tables mean; LoRA loads "
+            "everywhere",
+            network_type="lora",
+            lora_rank=rank,
+            lora_alpha=float(rank),
+        )
 
     # Batch, accumulation and memory.
     target = 16 if n >= 64 else 8
@@ -275,13 +293,16 @@ def plan(
             else f"{gpu_name[0]} lacks bf16; fp16 with a loss scaler",
             mixed_precision=precision,
         )
-    batch, ckpt, fit_note, storage = _fit_batch(
+    batch, ckpt, fit_note, storage, launch = _fit_batch(
         from_dict(flat), target, largest, gpu_name, precision
     )
-    accum = max(1, target // batch)
-    eff = batch * accum
+    procs = launch.get("processes", 1)
+    accum = max(1, target // (batch * procs))
+    eff = batch * accum * procs
+    over = f" × {procs} GPUs" if procs > 1 else ""
     propose(
-        f"effective batch {batch} × {accum} = {eff} (aim: 8–16, at most the {n} images); {fit_note}",
+        f"effective batch {batch} × {accum}{over} = {eff} (aim: 8–16, at most the {n} images); "
+        f"{fit_note}",
         train_batch_size=batch,
         gradient_accumulation_steps=accum,
         gradient_checkpointing=ckpt,
@@ -351,19 +372,21 @@ def plan(
         "median_short_side": short,
         "prompt_groups": prompts,
     }
-    return Plan(from_dict(flat), props, dataset)
+    return Plan(from_dict(flat), props, dataset, launch)
 
 
 def _fit_batch(
     cfg: Config, target: int, largest: int, gpu: tuple[str, float] | None, precision: str
-) -> tuple[int, bool, str, dict[str, Any]]:
+) -> tuple[int, bool, str, dict[str, Any], dict[str, Any]]:
     """The largest batch (≤ target and the largest bucket) that fits, without checkpointing
     first; where not even batch 1 with checkpointing fits, the cheapest other settings the
-    advice finds (a quantized base, block swap, …), as config keys."""
+    advice finds (a quantized base, block swap, …), as config keys; where no setting fits one
+    card, the fewest such cards that hold the run, with the launch (the last item)."""
     sizes = [b for b in (16, 8, 4, 2, 1) if b <= min(target, largest)] or [1]
     if gpu is None:
         b = min(sizes[0], 2)
-        return b, False, "no GPU given or found: batch not checked against memory (pass --gpu)", {}
+        why = "no GPU given or found: batch not checked against memory (pass --gpu)"
+        return b, False, why, {}, {}
     name, gib = gpu
     last = None
     try:
@@ -378,6 +401,7 @@ def _fit_batch(
                     b,
                     ckpt,
                     f"batch {b}{how} fits {name} ({last:.2f} of {gib:g} GiB estimated)",
+                    {},
                     {},
                 )
             if est.floor_bytes > gib * GIB:
@@ -396,6 +420,30 @@ def _fit_batch(
             False,
             f"memory not checked ({type(e).__name__}: {str(e)[:80]})",
             {},
+            {},
+        )
+    if rows and "launch" in rows[0]:
+        row = rows[0]
+        changes = {
+            k: v
+            for k, v in row["set"].items()
+            if k not in ("train_batch_size", "gradient_accumulation_steps")
+        }
+        ckpt = changes.pop("gradient_checkpointing", True)
+        how = " with" if ckpt else " without"
+        more = f" and {format_changes(changes)}" if changes else ""
+        launch = {k: v for k, v in row["launch"].items() if k != "summary"}
+        return (
+            1,
+            ckpt,
+            (
+                f"batch 1 with gradient checkpointing needs {last:.2f} GiB, more than {name}'s "
+                f"{gib:g}, and no setting fits one card; {row['launch']['summary']} (of "
+                f"{gib:g}), batch 1{how} gradient checkpointing{more}: launch with "
+                f"`{launch['command']}`"
+            ),
+            changes,
+            launch,
         )
     if rows:
         changes = dict(rows[0]["set"])
@@ -411,14 +459,17 @@ def _fit_batch(
                 "time per image)"
             ),
             changes,
+            {},
         )
     return (
         1,
         True,
         (
             f"does not fit {name} even at batch 1 with gradient checkpointing, a quantized base "
-            f"or block swap ({last:.2f} GiB estimated): lower the resolution"
+            f"or block swap ({last:.2f} GiB estimated), nor on up to 16 of them: lower the "
+            "resolution"
         ),
+        {},
         {},
     )
 
