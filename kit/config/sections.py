@@ -499,7 +499,8 @@ class TrainConfig:
     """Recompute activations in the backward pass: less memory, about 30% slower."""
     compile: bool = False
     """Compile the denoiser with `torch.compile`: faster steps after a warm-up of a minute or
-    more (reported in the log); each new bucket shape compiles once more."""
+    more (reported in the log); each new bucket shape compiles once more. Needs a C++ compiler
+    on the CPU and triton on a CUDA GPU; refused with `blocks_to_swap` and under DeepSpeed."""
     blocks_to_swap: int = 0
     """Keep this many of the denoiser's transformer blocks in CPU memory and bring each to the
     GPU only for its forward and backward (Flux, SD3, Wan): less VRAM, slower steps."""

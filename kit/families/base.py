@@ -30,6 +30,7 @@ from kit.families.identity import (
 )
 from kit.families.ldm import unet_module_names
 from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
+from kit.families.samplers import ImageSpec, check_validation
 from kit.families.shipped import SHIPPED
 
 if TYPE_CHECKING:
@@ -119,21 +120,6 @@ def flow_sampling(sampling: str, loss_weighting: str) -> str:
     return "logit_normal" if loss_weighting == "none" else "uniform"
 
 
-@dataclass
-class ImageSpec:
-    """Everything plain diffusers needs to draw the same image again."""
-
-    prompt: str
-    negative_prompt: str
-    seed: int
-    num_inference_steps: int
-    guidance_scale: float
-    width: int
-    height: int
-    adapter_scale: float = 1.0
-    generator_device: str = "cpu"
-
-
 class Family(ABC):
     """One model architecture. Subclass, set the class attributes, register with `@register`."""
 
@@ -185,6 +171,8 @@ class Family(ABC):
 
     def __init__(self, cfg: Config | None = None) -> None:
         self.cfg = cfg if cfg is not None else Config()
+        # Validation entries are checked with the config: a long run must not fail at its grid.
+        check_validation(self.name, self.cfg)
 
     def guidance_scale(self) -> float:
         """The validation guidance: the configured one, else the family's default."""

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageDraw
 
 from kit.config import Config, load_config
+from kit.config.sections import ValidationPrompt
 from kit.errors import KitError
-from kit.families.base import Family, ImageSpec
+from kit.families.base import Family
 from kit.families.loading import load_base
+from kit.families.samplers import DEFAULT, ImageSpec, draw
 from kit.io import write_json, write_with
 from kit.methods import get_method
 from kit.run import checkpoint as ckpt
@@ -20,9 +22,13 @@ from kit.run.folder import open_run
 
 
 def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
-    """The configured prompts, else the first few distinct training captions."""
-    if cfg.validation.validation_prompt:
-        return list(cfg.validation.validation_prompt)
+    """The configured prompts, else (when no `validation_prompts` entry is given either) the
+    first few distinct training captions."""
+    v = cfg.validation
+    if v.validation_prompt:
+        return list(v.validation_prompt)
+    if v.validation_prompts:
+        return []  # the entries are the prompts: captions would only crowd the grid
     seen: list[str] = []
     for c in captions:
         if c and c not in seen:
@@ -32,26 +38,84 @@ def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
     return seen or ["a photo"]
 
 
-def image_specs(
-    cfg: Config, family: Family, prompts: list[str], adapter_scale: float = 1.0
-) -> list[ImageSpec]:
-    """One spec per prompt and seed, prompts as rows; guidance as configured, else the family's."""
+def prompt_rows(
+    cfg: Config,
+    family: Family,
+    prompts: list[str],
+    adapter_scale: float = 1.0,
+    entries: list[ValidationPrompt] | None = None,
+) -> list[list[ImageSpec]]:
+    """The grid's rows: one per prompt (the simple form's, then each `validation_prompts`
+    entry), one spec per seed in it.
+
+    A simple prompt takes the section's negative prompt, steps, size and guidance (else the
+    family's default guidance) and a column per `validation_seeds`; an entry overrides any of
+    them, and with its own `seed` draws that one image. `entries` defaults to the config's.
+    """
     v = cfg.validation
     side = v.validation_resolution or cfg.data.resolution
-    return [
-        ImageSpec(
-            prompt=p,
-            negative_prompt=v.validation_negative_prompt,
-            seed=s,
-            num_inference_steps=v.validation_num_inference_steps,
-            guidance_scale=family.guidance_scale(),
-            width=side,
-            height=side,
-            adapter_scale=adapter_scale,
+    simple = ImageSpec(
+        prompt="",
+        negative_prompt=v.validation_negative_prompt,
+        seed=0,
+        num_inference_steps=v.validation_num_inference_steps,
+        guidance_scale=family.guidance_scale(),
+        width=side,
+        height=side,
+        adapter_scale=adapter_scale,
+    )
+    rows = [[replace(simple, prompt=p, seed=s) for s in v.validation_seeds] for p in prompts]
+    for e in v.validation_prompts if entries is None else entries:
+        spec = replace(
+            simple,
+            prompt=e.prompt,
+            negative_prompt=_given(e.negative_prompt, simple.negative_prompt),
+            num_inference_steps=_given(e.num_inference_steps, simple.num_inference_steps),
+            guidance_scale=float(_given(e.guidance_scale, simple.guidance_scale)),
+            width=e.width or side,
+            height=e.height or side,
+            sampler=e.scheduler or DEFAULT,
         )
-        for p in prompts
-        for s in v.validation_seeds
-    ]
+        seeds = [e.seed] if e.seed is not None else v.validation_seeds
+        rows.append([replace(spec, seed=s) for s in seeds])
+    return [row for row in rows if row]
+
+
+def _given(value: Any, fallback: Any) -> Any:
+    return fallback if value is None else value
+
+
+def image_specs(
+    cfg: Config,
+    family: Family,
+    prompts: list[str],
+    adapter_scale: float = 1.0,
+    entries: list[ValidationPrompt] | None = None,
+) -> list[ImageSpec]:
+    """Every spec of `prompt_rows`, row after row (prompts as rows, seeds as columns)."""
+    return [s for row in prompt_rows(cfg, family, prompts, adapter_scale, entries) for s in row]
+
+
+def grid_rows(specs: list[ImageSpec], cols: int) -> list[list[ImageSpec]]:
+    """Specs cut into the grid's rows: a row holds consecutive specs that differ only in their
+    seed, at most `cols` of them (0: no limit) and each seed once.
+
+    So the simple form's prompt × seed specs make the rows they always made, and an entry's
+    own size, guidance or sampler starts a row of its own.
+    """
+    rows: list[list[ImageSpec]] = []
+    for spec in specs:
+        row = rows[-1] if rows else None
+        if (
+            row is None
+            or (cols > 0 and len(row) >= cols)
+            or replace(spec, seed=row[0].seed) != row[0]
+            or any(s.seed == spec.seed for s in row)
+        ):
+            rows.append([spec])
+        else:
+            row.append(spec)
+    return rows
 
 
 def frame_strip(frames: list[Image.Image]) -> Image.Image:
@@ -81,19 +145,48 @@ def save_frames(frames: list[Image.Image], stem: Path) -> Path:
 
 
 def make_grid(images: list[Image.Image], cols: int, labels: list[str] | None = None) -> Image.Image:
-    """Images in rows of `cols`, each row under its label."""
-    w, h = images[0].size
-    rows = (len(images) + cols - 1) // cols
+    """Images in rows of `cols`, each row under its label (`rows_grid` with equal rows)."""
+    rows = [images[i : i + cols] for i in range(0, len(images), cols)]
+    return rows_grid(rows, labels)
+
+
+def rows_grid(rows: list[list[Image.Image]], labels: list[str] | None = None) -> Image.Image:
+    """Rows of images, each under its label; a row's cells take the size of its largest image,
+    so rows of different sizes (or lengths) share one grid, padded with white."""
     label_h = 14 if labels else 0
-    grid = Image.new("RGB", (cols * w, rows * (h + label_h)), "white")
+    sizes = [(max(im.width for im in row), max(im.height for im in row)) for row in rows]
+    width = max(w * len(row) for (w, _), row in zip(sizes, rows, strict=True))
+    grid = Image.new("RGB", (width, sum(h + label_h for _, h in sizes)), "white")
     draw = ImageDraw.Draw(grid)
-    for i, im in enumerate(images):
-        r, c = divmod(i, cols)
-        y = r * (h + label_h)
-        if labels and c == 0:
-            draw.text((2, y + 1), labels[r][: max(8, cols * w // 6)], fill="black")
-        grid.paste(im, (c * w, y + label_h))
+    y = 0
+    for r, (row, (w, h)) in enumerate(zip(rows, sizes, strict=True)):
+        if labels:
+            draw.text((2, y + 1), labels[r][: max(8, width // 6)], fill="black")
+        for c, im in enumerate(row):
+            grid.paste(im, (c * w, y + label_h))
+        y += h + label_h
     return grid
+
+
+_ROW_TAGS: tuple[tuple[Any, Any], ...] = (
+    (lambda s: s.guidance_scale, lambda s: f"cfg {s.guidance_scale:g}"),
+    (lambda s: s.num_inference_steps, lambda s: f"{s.num_inference_steps} steps"),
+    (lambda s: s.sampler, lambda s: s.sampler),
+    (lambda s: (s.width, s.height), lambda s: f"{s.width}x{s.height}"),
+    (lambda s: s.negative_prompt, lambda s: f"neg: {s.negative_prompt}"),
+)
+"""(what a row is told apart by, how its label says it)."""
+
+
+def row_labels(rows: list[list[ImageSpec]]) -> list[str]:
+    """Each row's adapter scale and prompt, and whichever settings differ between rows
+    (guidance, steps, sampler, size, negative prompt), so a grid shows what it compares."""
+    firsts = [row[0] for row in rows]
+    shown = [say for key, say in _ROW_TAGS if len({key(s) for s in firsts}) > 1]
+    return [
+        f"[{', '.join([f'scale {s.adapter_scale:g}', *(say(s) for say in shown)])}] {s.prompt}"
+        for s in firsts
+    ]
 
 
 def run_validation(
@@ -104,30 +197,41 @@ def run_validation(
     cols: int,
     meta: dict[str, Any],
 ) -> Path:
-    """Draw every spec, save images with sidecars and a grid; return the grid's path."""
+    """Draw every spec with its sampler, save images with sidecars and a grid (a row per
+    `grid_rows` row); return the grid's path.
+
+    Each sidecar holds the spec, the pipeline call's keyword arguments, the sampler's name,
+    the scheduler's class and config as drawn with, and the σ shift used (flow models).
+    """
+    if not specs:
+        raise KitError(
+            "nothing to draw: validation_seeds is empty and no validation_prompts entry "
+            "has a seed of its own"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     pipe.set_progress_bar_config(disable=True)
-    images = []
-    scheduler = {"class": type(pipe.scheduler).__name__, "config": dict(pipe.scheduler.config)}
-    for i, spec in enumerate(specs):
-        frames = family.sample(pipe, spec)
-        images.append(frame_strip(frames))
-        stem = f"{i // cols:02d}_seed{spec.seed}"
-        save_frames(frames, out_dir / stem)
-        write_json(
-            out_dir / f"{stem}.json",
-            {
-                **asdict(spec),
-                "pipeline": type(pipe).__name__,
-                "pipeline_kwargs": family.pipeline_kwargs,
-                "call_kwargs": family.call_kwargs(spec),
-                "scheduler": scheduler,
-                **meta,
-            },
-        )
-    labels = [f"[scale {s.adapter_scale:g}] {s.prompt}" for s in specs[::cols]]
-    grid = make_grid(images, cols, labels)
+    rows = grid_rows(specs, cols)
+    images: list[list[Image.Image]] = []
+    for r, row in enumerate(rows):
+        images.append([])
+        for spec in row:
+            frames, sampling = draw(family, pipe, spec)
+            images[-1].append(frame_strip(frames))
+            stem = f"{r:02d}_seed{spec.seed}"
+            save_frames(frames, out_dir / stem)
+            write_json(
+                out_dir / f"{stem}.json",
+                {
+                    **asdict(spec),
+                    "pipeline": type(pipe).__name__,
+                    "pipeline_kwargs": family.pipeline_kwargs,
+                    "call_kwargs": family.call_kwargs(spec),
+                    **sampling,
+                    **meta,
+                },
+            )
+    grid = rows_grid(images, row_labels(rows))
     path = out_dir / "grid.png"
     write_with(path, lambda tmp: grid.save(tmp, format="PNG"))
     return path
@@ -164,12 +268,15 @@ def draw_checkpoint(
     """Draw a checkpoint's validation images at each adapter scale (0 = the base model alone).
 
     Writes `validation/<checkpoint>-scales/`; rows are prompt × scale, columns are seeds.
+    Without `prompts`, the config's validation prompts and `validation_prompts` entries.
     """
     run, cfg, family, comps, source = load_trained(run_dir, checkpoint)
+    asked = prompts
     if prompts is None:
         captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
         prompts = default_prompts(cfg, captions)
-    specs = [s for p in prompts for scale in scales for s in image_specs(cfg, family, [p], scale)]
+    rows = prompt_rows(cfg, family, prompts, entries=None if asked is None else [])
+    specs = [replace(s, adapter_scale=scale) for row in rows for scale in scales for s in row]
     return run_validation(
         family,
         family.pipeline(comps),

@@ -1,0 +1,238 @@
+"""What a validation image is drawn with: its spec, and the samplers a family may draw it with.
+
+A sampler is a short name (`euler_a`, `dpm++_2m_karras`, `flow_unipc`, ...) for a diffusers
+scheduler class and the few settings that make it that sampler. It is always built
+`from_config` of the pipeline's own scheduler, so everything else the base model's scheduler
+says (beta schedule, prediction type, timestep spacing, flow shift) carries over, as a diffusers
+user swapping schedulers would get. `default` keeps the base model's scheduler as it is.
+
+DDPM families (noise prediction over a beta schedule) and flow-matching families take different
+samplers: a flow model needs σ from its flow schedule, so only schedulers that diffusers can run
+on flow sigmas are offered to it, and only those its pipeline can call (FluxPipeline hands the
+scheduler custom sigmas, which Heun's `set_timesteps` does not take).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kit.errors import ConfigError, did_you_mean
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from kit.config import Config
+
+
+@dataclass
+class ImageSpec:
+    """Everything plain diffusers needs to draw the same image again."""
+
+    prompt: str
+    negative_prompt: str
+    seed: int
+    num_inference_steps: int
+    guidance_scale: float
+    width: int
+    height: int
+    adapter_scale: float = 1.0
+    generator_device: str = "cpu"
+    sampler: str = "default"
+    """A name of `SAMPLERS` (`default`: the pipeline's own scheduler); `draw` applies it, while
+    `Family.sample` draws with whatever scheduler the pipeline holds."""
+
+
+DEFAULT = "default"
+
+SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
+    DEFAULT: ("", {}),
+    # DDPM families: the samplers A1111 and ComfyUI users know, as diffusers names them.
+    "euler": ("EulerDiscreteScheduler", {"use_karras_sigmas": False}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {"use_karras_sigmas": False}),
+    "dpm++_2m": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": False},
+    ),
+    "dpm++_2m_karras": (
+        "DPMSolverMultistepScheduler",
+        {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": True},
+    ),
+    "ddim": ("DDIMScheduler", {}),
+    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
+    "unipc": ("UniPCMultistepScheduler", {"use_flow_sigmas": False}),
+    "ddpm": ("DDPMScheduler", {}),
+    # Flow-matching families: σ from the flow schedule, shifted by the base model's shift.
+    "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),
+    "flow_heun": ("FlowMatchHeunDiscreteScheduler", {}),
+    "flow_unipc": (
+        "UniPCMultistepScheduler",
+        {"use_flow_sigmas": True, "prediction_type": "flow_prediction"},
+    ),
+    "flow_dpm++_2m": (
+        "DPMSolverMultistepScheduler",
+        {
+            "use_flow_sigmas": True,
+            "prediction_type": "flow_prediction",
+            "algorithm_type": "dpmsolver++",
+            "solver_order": 2,
+        },
+    ),
+}
+"""Sampler name → (diffusers scheduler class, the settings that make it that sampler)."""
+
+_DDPM = (
+    DEFAULT,
+    "euler",
+    "euler_a",
+    "heun",
+    "dpm++_2m",
+    "dpm++_2m_karras",
+    "ddim",
+    "pndm",
+    "unipc",
+    "ddpm",
+)
+_FLOW = (DEFAULT, "flow_euler", "flow_heun", "flow_unipc", "flow_dpm++_2m")
+
+FAMILY_SAMPLERS: dict[str, tuple[str, ...]] = {
+    "sd15": _DDPM,
+    "sdxl": _DDPM,
+    "sd3": _FLOW,
+    # FluxPipeline passes custom sigmas, which the flow Heun scheduler cannot take.
+    "flux": tuple(s for s in _FLOW if s != "flow_heun"),
+    "wan": _FLOW,
+}
+"""The samplers each family's pipeline can draw with; a family not listed keeps its own."""
+
+SIZE_MULTIPLE: dict[str, int] = {"sd15": 8, "sdxl": 8, "sd3": 16, "flux": 16, "wan": 16}
+"""What a drawn image's width and height must be multiples of: the VAE's 8× and, for the
+transformers, their 2×2 patches (the pipelines refuse or silently round other sizes)."""
+
+
+def samplers_for(family: str) -> tuple[str, ...]:
+    """The sampler names `family` can draw with."""
+    return FAMILY_SAMPLERS.get(family, (DEFAULT,))
+
+
+def size_multiple(family: str) -> int:
+    """The multiple a drawn image's sides must be for `family`."""
+    return SIZE_MULTIPLE.get(family, 8)
+
+
+def check_validation(family: str, cfg: Config) -> None:
+    """Refuse `validation_prompts` entries this family cannot draw: an unknown sampler, or a
+    size its pipeline would refuse or round (so a long run does not fail at its first grid)."""
+    choices = samplers_for(family)
+    multiple = size_multiple(family)
+    for i, entry in enumerate(cfg.validation.validation_prompts):
+        where = f"validation_prompts[{i}]"
+        if entry.scheduler is not None and entry.scheduler not in choices:
+            raise ConfigError(
+                f"{where}.scheduler: {entry.scheduler!r} is not a sampler {family} can draw "
+                f"with (choose from {', '.join(choices)}){did_you_mean(entry.scheduler, choices)}"
+            )
+        for key in ("width", "height"):
+            value = getattr(entry, key)
+            if value is not None and value % multiple:
+                lower = max(multiple, value - value % multiple)
+                raise ConfigError(
+                    f"{where}.{key}: {value} is not a multiple of {multiple}, which {family} "
+                    f"draws at (e.g. {lower} or {lower + multiple})"
+                )
+
+
+def build_scheduler(family: str, scheduler: Any, name: str) -> Any:
+    """The scheduler that draws with sampler `name`: `scheduler` itself for `default`, else a
+    new one `from_config` of its config with the sampler's own settings.
+
+    The σ shift of a flow model is carried across the two ways diffusers spells it (`shift`
+    for the flow Euler schedulers, `flow_shift` for the multistep ones on flow sigmas).
+    """
+    if name not in samplers_for(family):
+        choices = ", ".join(samplers_for(family))
+        raise ConfigError(f"sampler {name!r}: {family} draws with one of {choices}")
+    if name == DEFAULT:
+        return scheduler
+    import diffusers
+
+    class_name, settings = SAMPLERS[name]
+    config = dict(scheduler.config)
+    settings = dict(settings)
+    shift = base_shift(type(scheduler).__name__, scheduler.config)
+    if shift is not None:
+        key = "flow_shift" if settings.get("use_flow_sigmas") else "shift"
+        settings[key] = shift
+    return getattr(diffusers, class_name).from_config(config, **settings)
+
+
+def base_shift(class_name: str, config: Any) -> float | None:
+    """The static σ shift a flow scheduler (class and config) samples with; None for a DDPM
+    scheduler."""
+    if class_name.startswith("FlowMatch"):
+        return float(config.get("shift", 1.0))
+    if config.get("use_flow_sigmas"):
+        return float(config.get("flow_shift", 1.0))
+    return None
+
+
+def _shift_used(class_name: str, config: dict[str, Any], mu: float | None) -> float | None:
+    """The σ shift a schedule was drawn with: with dynamic shifting (Flux dev), the one the
+    pipeline set for the image size (`mu`, exponential or linear), else the static one."""
+    if config.get("use_dynamic_shifting") and mu is not None:
+        return float(mu) if config.get("time_shift_type") == "linear" else math.exp(float(mu))
+    return base_shift(class_name, config)
+
+
+def draw(family: Any, pipe: Any, spec: ImageSpec) -> tuple[list[Image.Image], dict[str, Any]]:
+    """Draw `spec` with its sampler: the frames, and what the sidecar records of the sampling
+    (`sampler`, the `scheduler`'s class and config as it was built, and the σ `shift` used).
+
+    The pipeline's own scheduler is put back afterwards, so specs drawn one after another never
+    see each other's sampler.
+    """
+    own = pipe.scheduler
+    scheduler = build_scheduler(family.name, own, spec.sampler)
+    record: dict[str, Any] = {
+        "sampler": spec.sampler,
+        "scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
+    }
+    # The pipeline computes a dynamic shift (`mu`) from the image size when it sets the
+    # timesteps; it is read here as the scheduler receives it.
+    seen: dict[str, Any] = {}
+    original = scheduler.set_timesteps
+
+    @functools.wraps(original)
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    scheduler.set_timesteps = recording
+    pipe.scheduler = scheduler
+    try:
+        frames = family.sample(pipe, spec)
+    finally:
+        pipe.scheduler = own
+        del scheduler.set_timesteps
+    record["shift"] = _shift_used(
+        record["scheduler"]["class"], record["scheduler"]["config"], seen.get("mu")
+    )
+    return frames, record
+
+
+__all__ = [
+    "DEFAULT",
+    "FAMILY_SAMPLERS",
+    "SAMPLERS",
+    "SIZE_MULTIPLE",
+    "ImageSpec",
+    "base_shift",
+    "build_scheduler",
+    "check_validation",
+    "draw",
+    "samplers_for",
+    "size_multiple",
+]
