@@ -413,3 +413,21 @@ def test_cli_doctor(tmp_path, capsys):
     assert main(["doctor", str(run), "--fail-on", "warning"]) == 1
     assert "[warning] the loss is not falling" in capsys.readouterr().out
     assert main(["doctor", str(tmp_path / "missing")]) == 2
+
+
+def test_images_of_one_prompt_and_seed_drawn_differently_stay_apart(tmp_path):
+    """Two `validation_prompts` entries with the same prompt and seed but another guidance are
+    two images to the doctor, not one overwriting the other."""
+    import json
+
+    from PIL import Image
+
+    from kit.report.doctor.run import read_images
+
+    for i, cfg in enumerate((3.0, 9.0)):
+        Image.new("RGB", (8, 8), (i * 200, 0, 0)).save(tmp_path / f"0{i}_seed0.png")
+        meta = {"prompt": "a cat", "seed": 0, "guidance_scale": cfg, "negative_prompt": ""}
+        (tmp_path / f"0{i}_seed0.json").write_text(json.dumps(meta))
+    images = read_images(tmp_path)
+    assert len(images) == 2
+    assert {k[:2] for k in images} == {("a cat", 0)}

@@ -71,8 +71,14 @@ def run(tmp_path_factory, tiny_sd15, family_dataset) -> RunDir:
     return RunDir(tmp / "run")
 
 
+def _refuse(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _sidecar(run: RunDir, stem: str) -> dict:
-    return json.loads((run.validation_step(2) / f"{stem}.json").read_text())
+    """A sidecar, read as strictly as a browser would (no bare Infinity or NaN)."""
+    text = (run.validation_step(2) / f"{stem}.json").read_text()
+    return json.loads(text, parse_constant=_refuse)
 
 
 def test_each_entry_is_drawn_as_it_asks_and_the_sidecar_says_so(run):
@@ -111,6 +117,8 @@ def test_each_entry_is_drawn_as_it_asks_and_the_sidecar_says_so(run):
         assert other["sampler"] == "dpm++_2m_karras"
         assert other["scheduler"]["class"] == "DPMSolverMultistepScheduler"
         assert other["scheduler"]["config"]["use_karras_sigmas"] is True
+        # DPM-Solver's config holds -inf, written as a string so strict readers take it.
+        assert other["scheduler"]["config"]["lambda_min_clipped"] == "-inf"
         assert Image.open(folder / f"02_seed{seed}.png").size == (48, 32)
 
     # One grid of rows of their own sizes: 2 × 32, 1 × 32 and 2 × 48 wide, each under a label.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -227,7 +228,7 @@ def run_validation(
                     "pipeline": type(pipe).__name__,
                     "pipeline_kwargs": family.pipeline_kwargs,
                     "call_kwargs": family.call_kwargs(spec),
-                    **sampling,
+                    **strict_json(sampling),
                     **meta,
                 },
             )
@@ -235,6 +236,19 @@ def run_validation(
     path = out_dir / "grid.png"
     write_with(path, lambda tmp: grid.save(tmp, format="PNG"))
     return path
+
+
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float written as the string "inf", "-inf" or "nan": a
+    scheduler config may hold one (DPM-Solver's `lambda_min_clipped: -inf`), which Python's
+    JSON writes as a bare `-Infinity` that strict readers (browsers, jq) refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(v) for v in value]
+    return value
 
 
 def read_sidecar(path: str | Path) -> tuple[ImageSpec, dict[str, Any]]:

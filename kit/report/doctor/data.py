@@ -30,6 +30,8 @@ def data_facts(run: RunRecord) -> list[str]:
     caps = run.captions
     empty = sum(not c.strip() for c in caps)
     hashes = len({r.get("sha256") for r in man})
+    # A clip's windows are samples of one file: only the same file at the same frames repeats.
+    distinct = len({(r.get("sha256"), tuple(r.get("frames") or ())) for r in man})
     flat_images = []
     for r in man[:4]:
         try:
@@ -40,14 +42,26 @@ def data_facts(run: RunRecord) -> list[str]:
             flat_images.append(f"{Path(str(r.get('image'))).name} (unreadable)")
     if empty:
         out.append(f"PROBLEM: {empty} of {len(caps)} captions are empty")
-    if hashes < len(man):
-        out.append(f"PROBLEM: {len(man)} samples but only {hashes} distinct image file(s)")
+    if distinct < len(man):
+        out.append(
+            f"PROBLEM: {len(man)} samples but only {distinct} distinct image file(s) or clip window(s)"
+        )
     if flat_images:
         out.append(f"PROBLEM: flat (single-colour) or unreadable images: {', '.join(flat_images)}")
     out.append(
         f"data read: {len(man)} images ({hashes} distinct files), "
         f"{len(set(caps))} distinct captions, {empty} empty"
     )
+    sets: dict[str, list[dict]] = {}
+    for r in man:
+        if "dataset" in r:
+            sets.setdefault(str(r["dataset"]), []).append(r)
+    for name, rows in sets.items():
+        repeats = int(rows[0].get("repeats", 1))
+        out.append(
+            f"dataset {name} ({rows[0].get('role', 'instance')}, {repeats} repeat(s)): "
+            f"{len(rows)} images, {len(rows) * repeats} samples per epoch"
+        )
     return out
 
 

@@ -114,7 +114,7 @@ def validation_stalled(run: RunRecord) -> Iterator[Finding]:
 def _diversity(images: dict[tuple[str, int], np.ndarray]) -> float | None:
     """Mean difference between different prompts' images of the same seed."""
     by_seed: dict[int, list[np.ndarray]] = {}
-    for (_prompt, seed), img in images.items():
+    for (_prompt, seed, _settings), img in images.items():
         by_seed.setdefault(seed, []).append(img)
     d = [
         np.abs(a - b).mean()

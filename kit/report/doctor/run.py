@@ -78,8 +78,8 @@ class RunRecord:
         return complete_checkpoints(self.root)
 
     @cached_property
-    def validation(self) -> dict[int, dict[tuple[str, int], np.ndarray]]:
-        """Validation images by step, each keyed by (prompt, seed)."""
+    def validation(self) -> dict[int, dict[tuple[str, int, str], np.ndarray]]:
+        """Validation images by step, each keyed by (prompt, seed, settings)."""
         out = {}
         for step, folder in self.dir.validation_steps().items():
             images = read_images(folder)
@@ -88,16 +88,16 @@ class RunRecord:
         return out
 
     @cached_property
-    def base_images(self) -> dict[tuple[str, int], np.ndarray]:
+    def base_images(self) -> dict[tuple[str, int, str], np.ndarray]:
         """The base model's own images (adapter scale 0), where `draw_checkpoint` drew them."""
-        out: dict[tuple[str, int], np.ndarray] = {}
+        out: dict[tuple[str, int, str], np.ndarray] = {}
         for folder in self.dir.scale_folders():
             for key, (scale, img) in read_images(folder, with_scale=True).items():
                 if scale == 0:
-                    out[key[:2]] = img
+                    out[key[:3]] = img
         return out
 
-    def reference(self) -> tuple[str, dict[tuple[str, int], np.ndarray]] | None:
+    def reference(self) -> tuple[str, dict[tuple[str, int, str], np.ndarray]] | None:
         """What later images are compared against: the base model's images, else the first grid."""
         if self.base_images:
             return "the base model (adapter scale 0)", self.base_images
@@ -130,18 +130,32 @@ class RunRecord:
         return [t for t in self.flat.get("trigger_words") or [] if t]
 
 
+_DRAWN_WITH = (
+    "negative_prompt",
+    "guidance_scale",
+    "num_inference_steps",
+    "width",
+    "height",
+    "sampler",
+)
+"""Sidecar fields besides prompt and seed that make two validation images different images."""
+
+
 def read_images(folder: Path, with_scale: bool = False) -> dict[tuple, tuple[float, np.ndarray]]:
-    """A validation folder's images (not its grid), small, in [0, 1], keyed by prompt and seed."""
+    """A validation folder's images (not its grid), small, in [0, 1], keyed by prompt, seed and
+    the other settings they were drawn with (as a JSON string)."""
     out: dict[tuple, tuple[float, np.ndarray]] = {}
     for png in sorted(folder.glob("*.png")):
         if png.name == "grid.png":
             continue
         try:
             meta = json.loads(png.with_suffix(".json").read_text())
-            key: tuple = (str(meta["prompt"]), int(meta["seed"]))
+            # Prompts of `validation_prompts` may repeat with other settings: those key too.
+            drawn = {k: meta.get(k) for k in _DRAWN_WITH}
+            key: tuple = (str(meta["prompt"]), int(meta["seed"]), json.dumps(drawn, sort_keys=True))
             scale = float(meta.get("adapter_scale", 1.0))
         except Exception:
-            key, scale = (png.stem, 0), 1.0
+            key, scale = (png.stem, 0, ""), 1.0
         if with_scale:
             key = (*key, scale)
         try:
