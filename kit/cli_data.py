@@ -114,7 +114,15 @@ def cmd_caption(args: argparse.Namespace) -> int:
     """Caption the images with a tagger or a captioning model: a diff, written only with --apply."""
     from kit.data.captioners import CaptionOptions, caption_dataset
 
-    keys = ("prefix", "general_threshold", "character_threshold", "max_tags", "exclude_tags")
+    keys = (
+        "prefix",
+        "general_threshold",
+        "character_threshold",
+        "max_tags",
+        "exclude_tags",
+        "max_new_tokens",
+        "task",
+    )
     given = {k: getattr(args, k) for k in (*keys, "batch_size") if getattr(args, k) is not None}
     opts = CaptionOptions(overwrite=args.overwrite, **given)
     run = caption_dataset(
@@ -161,5 +169,7 @@ def add_commands(
     sp.add_argument("--overwrite", action="store_true", help="also replace existing captions")
     sp.add_argument("--device", help="cuda or cpu (default: cuda when there is one)")
     sp.add_argument("--batch-size", type=int, help="images per forward pass")
+    sp.add_argument("--max-new-tokens", type=int, metavar="N", help="captioner: longest caption")
+    sp.add_argument("--task", help="florence2: its task prompt (default <DETAILED_CAPTION>)")
     sp.add_argument("--apply", action="store_true", help="write them (after a caption backup)")
     sp.set_defaults(func=cmd_caption)

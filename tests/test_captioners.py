@@ -259,12 +259,11 @@ def test_blip_captions_each_dataset(tmp_path, folder):
     other = tmp_path / "other"
     other.mkdir()
     Image.new("RGB", (32, 32), "green").save(other / "e.png")
-    cfg = load_config(
-        _config(
-            tmp_path,
-            datasets=[{"image_dir": str(folder)}, {"image_dir": str(other), "name": "reg"}],
-        )
+    path = _config(
+        tmp_path,
+        datasets=[{"image_dir": str(folder)}, {"image_dir": str(other), "name": "reg"}],
     )
+    cfg = load_config(path)
     blip = write_blip(tmp_path / "blip")
     run = caption_dataset(cfg, "blip", str(blip), CaptionOptions(prefix="zorb", max_new_tokens=3))
     assert [p.name for p in run.plans] == ["data", "reg"]
@@ -275,8 +274,11 @@ def test_blip_captions_each_dataset(tmp_path, folder):
         "e.txt": "zorb, star star star\n",
     }
     assert not (other / "e.txt").exists()
-    run = caption_dataset(cfg, "blip", str(blip), CaptionOptions(max_new_tokens=2), apply=True)
-    assert (other / "e.txt").read_text() == "star star\n" and len(run.backups) == 2
+    # The command line: --max-new-tokens reaches the model; one backup per dataset folder.
+    argv = ["caption", str(path), "--captioner", "blip", "--model", str(blip)]
+    assert main([*argv, "--max-new-tokens", "2", "--apply"]) == 0
+    assert (other / "e.txt").read_text() == "star star\n"
+    assert all((d / ".caption-backups").is_dir() for d in (folder, other))
 
 
 def test_florence2_captions_every_image_with_overwrite(tmp_path, folder):
