@@ -145,3 +145,34 @@ def test_a_base_too_large_for_the_card_is_planned_quantized_or_swapped(dataset, 
     assert f"more than {card}'s" in reason and "fits (" in reason, reason
     path = p.save(tmp_path / "planned.json")
     assert estimate(load_config(path)).fits(GPUS[card])
+
+
+def test_a_config_with_datasets_is_planned_with_repeats(tmp_path, dataset):
+    """With `datasets`, the plan counts the taught images with their repeats, takes the trigger
+    from their captions only, keeps the datasets, and refuses a folder argument beside them."""
+    from kit.config import from_dict
+
+    chars, reg = tmp_path / "chars", tmp_path / "reg"
+    chars.mkdir()
+    reg.mkdir()
+    for f in sorted(dataset.glob("zorbic_00[0-5].*")):
+        (chars / f.name).write_bytes(f.read_bytes())
+    for i, f in enumerate(sorted(dataset.glob("*.png"))[6:16]):
+        (reg / f"reg_{i}.png").write_bytes(f.read_bytes())
+        (reg / f"reg_{i}.txt").write_text("a plain shape\n")
+    base = from_dict(
+        {
+            "datasets": [
+                {"image_dir": str(chars), "repeats": 4},
+                {"image_dir": str(reg), "role": "prior", "loss_weight": 0.5},
+            ],
+            "pretrained_model": "/nowhere",
+        }
+    )
+    p = plan("", "character", base=base)
+    assert _reason(p, "max_train_steps").startswith("24 samples per epoch (with repeats)")
+    assert p.dataset["datasets"] == {"chars": 6, "reg": 10}
+    assert p.config.data.trigger_words == ["zorbic"]
+    assert [d.repeats for d in p.config.data.datasets] == [4, 1]
+    with pytest.raises(KitError, match="lists `datasets`"):
+        plan(dataset, "character", base=base)
