@@ -23,7 +23,7 @@ def make_optimizer(params: list[Any], t: TrainConfig) -> torch.optim.Optimizer:
         "eps": t.adam_epsilon,
     }
     if t.optimizer == "adamw":
-        return torch.optim.AdamW(params, **adam)
+        return torch.optim.AdamW(params, **adam, **adamw_kernel(params))
     if t.optimizer == "adamw8bit":
         if not torch.cuda.is_available():
             raise ConfigError("optimizer adamw8bit needs a CUDA GPU (bitsandbytes); use adamw here")
@@ -56,6 +56,30 @@ def make_optimizer(params: list[Any], t: TrainConfig) -> torch.optim.Optimizer:
         # Prodigy estimates the step size itself; learning_rate is a multiplier (1.0 is usual).
         return Prodigy(params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay)
     raise ConfigError(f"optimizer: unknown '{t.optimizer}'")
+
+
+FUSED_DEVICES = ("cpu", "cuda")
+"""Devices whose fused AdamW kernel the kit uses (one kernel per step over all parameters)."""
+
+
+def adamw_kernel(params: list[Any]) -> dict[str, bool]:
+    """How AdamW updates `params`: `fused` where every one is a float tensor on a device with
+    the fused kernel, else `foreach` (one batched update per step) on CUDA, else the default.
+
+    Measured on CPU (384 LoRA-shaped tensors of SD1.5 widths): the fused step is several
+    times faster than the per-tensor loop, and it needs no temporaries, unlike `foreach`.
+    Fused rounds differently from the loop in the last bit, but it is deterministic: the same
+    run gives the same weights, and a resumed run the straight run's.
+    """
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    if not tensors:
+        return {}
+    devices = {p.device.type for p in tensors}
+    if all(p.is_floating_point() for p in tensors) and devices <= set(FUSED_DEVICES):
+        return {"fused": True}
+    if devices == {"cuda"}:
+        return {"foreach": True}
+    return {}
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, num_processes: int = 1) -> Any:

@@ -203,3 +203,90 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
         h.update(key.encode())
         h.update(state[key].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+TIMING_FILE = "timing.jsonl"
+"""The run's timing rows, in its `logs/` folder: one JSON object per timed phase."""
+
+
+class RunTimer:
+    """Where a run's time went: the first steps (a compile's warm-up) and the phases after the
+    last step (the final sample, the doctor report, the archive, the plot).
+
+    Each phase is a row `{"kind": "timing", "phase": ..., "seconds": ...}` appended to
+    `logs/timing.jsonl` as soon as it is measured (main process only), so that a run that
+    stops later still has the rows measured before; `summary()` is the line the console shows.
+    The metrics file keeps its one row per logged step.
+    """
+
+    FIRST_STEPS = 3
+    """Steps timed one by one from the start: the first, and what later steps take."""
+
+    def __init__(self, run: RunDir, main: bool = True) -> None:
+        self.path = run.logs / TIMING_FILE
+        self.main = main
+        self.rows: list[dict[str, Any]] = []
+        self.step_seconds: list[float] = []
+        self._last = time.perf_counter()
+
+    def add(self, phase: str, seconds: float, **extra: Any) -> dict[str, Any]:
+        """Record one phase (and write its row)."""
+        row = {"kind": "timing", "phase": phase, "seconds": round(seconds, 3), **extra}
+        self.rows.append(row)
+        if self.main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    @contextlib.contextmanager
+    def phase(self, name: str, **extra: Any):
+        """Time the block as phase `name`; also when it raises (then with `"error": true`)."""
+        start = time.perf_counter()
+        failed = False
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            more = {**extra, "error": True} if failed else extra
+            self.add(name, time.perf_counter() - start, **more)
+
+    def restart(self) -> None:
+        """The first step starts now (after the setup before the loop)."""
+        self._last = time.perf_counter()
+
+    def step_done(self, step: int) -> dict[str, Any] | None:
+        """Note the end of optimizer step `step`; after the first few, the warm-up row: the first
+        step's seconds, a later step's (the fastest of the next ones) and the difference."""
+        now = time.perf_counter()
+        if len(self.step_seconds) >= self.FIRST_STEPS:
+            return None
+        self.step_seconds.append(now - self._last)
+        self._last = now
+        if len(self.step_seconds) < self.FIRST_STEPS:
+            return None
+        return self.warmup(step)
+
+    def warmup(self, step: int) -> dict[str, Any] | None:
+        """The warm-up row from the steps timed so far (None before a second step)."""
+        if len(self.step_seconds) < 2 or any(r["phase"] == "first_step" for r in self.rows):
+            return None
+        first, later = self.step_seconds[0], min(self.step_seconds[1:])
+        return self.add(
+            "first_step",
+            first,
+            later_step_seconds=round(later, 3),
+            warmup_seconds=round(max(first - later, 0.0), 3),
+            step=step,
+        )
+
+    def summary(self, phases: tuple[str, ...] = ()) -> str:
+        """`time: final sample 1.20 s, doctor 0.31 s, ...` for the named (or all) phases."""
+        parts = [
+            f"{r['phase'].replace('_', ' ')} {r['seconds']:.2f} s"
+            for r in self.rows
+            if not phases or r["phase"] in phases
+        ]
+        return "time: " + ", ".join(parts) if parts else ""

@@ -21,12 +21,22 @@ from kit.errors import KitError
 from kit.report.archive import write_archive
 from kit.report.doctor import write_report
 from kit.report.plots import plot_metrics
+from kit.train.accel import is_fsdp
 from kit.train.evaluate import fixed_losses, validate
-from kit.train.log import audit, log_grid, log_row, progress_bar, step_row, weights_digest
+from kit.train.log import (
+    RunTimer,
+    audit,
+    log_grid,
+    log_row,
+    progress_bar,
+    step_row,
+    weights_digest,
+)
+from kit.train.prefetch import Prefetcher
 from kit.train.prepare import prepare
-from kit.train.save import save
+from kit.train.save import per_process, save, trained_weights
 from kit.train.state import Callback, StopTraining, TrainResult, TrainState
-from kit.train.step import guard_finite, micro_step
+from kit.train.step import guard_finite, micro_step, step_numbers
 
 __all__ = ["StopTraining", "TrainResult", "fit", "train"]
 
@@ -51,7 +61,9 @@ def fit(s: TrainState) -> TrainResult:
         kind="start", step=s.step, max_steps=t.max_train_steps, network=s.summary, data=s.data.stats
     )
     bar = progress_bar(acc, s.step, t.max_train_steps)
-    losses: list[float] = []  # of the micro-steps of the optimizer step under way
+    losses: list[Any] = []  # of the micro-steps of the optimizer step under way (tensors)
+    timer = RunTimer(s.run, s.main)
+    prefetch = Prefetcher(s.data, t.seed)
     started = time.perf_counter()
     restore_signals = _sigterm_as_interrupt()
     try:
@@ -71,30 +83,35 @@ def fit(s: TrainState) -> TrainResult:
                         s.run, s.rank, {"epoch": s.epoch, "batch": mine, "samples": batches[mine]}
                     )
                 s.position += s.world
-                loss, grad_norm = micro_step(s, batches[mine], mine)
+                # The next batch is read in the background while this one trains.
+                prefetch.ahead(*_next_batch(s, batches))
+                loss, grad_norm = micro_step(s, batches[mine], mine, prefetch.loader(s.epoch, mine))
                 losses.append(loss)
                 if acc.sync_gradients:
-                    end_of_step(s, losses, grad_norm, bar, started)
+                    end_of_step(s, losses, grad_norm, bar, started, timer)
             if s.position >= len(batches):
                 s.epoch, s.position = s.epoch + 1, 0
                 if not losses:
                     s.cursor = (s.epoch, s.position)
         save(s, s.step)
         if s.world > 1:
-            digest = weights_digest(s.method.state_dict(s.comps))
+            digest = weights_digest(trained_weights(s))
             audit(s.run, s.rank, {"final_step": s.step, "weights_sha256": digest})
         acc.wait_for_everyone()
     except (KeyboardInterrupt, StopTraining):
         _on_interrupt(s)
     finally:
         restore_signals()
+        prefetch.close()
         bar.close()
         acc.end_training()
+        timer.warmup(s.step)  # a run of two steps still reports its first one
         if s.main:
             # Also when training stopped on an error: the report then explains it.
-            write_report(s.run.root, error=sys.exc_info()[1])
+            with timer.phase("doctor"):
+                write_report(s.run.root, error=sys.exc_info()[1])
             # The archive must never replace the run's own error with one of its own.
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception), timer.phase("archive"):
                 write_archive(
                     s.run.root,
                     started=s.started_at,
@@ -103,51 +120,98 @@ def fit(s: TrainState) -> TrainResult:
                 )
     s.result.step = s.step
     if s.main:
-        plot_metrics(s.run.read_metrics(), s.run.loss_plot)
+        with timer.phase("plot"):
+            plot_metrics(s.run.read_metrics(), s.run.loss_plot)
+        spent = timer.summary(("final_sample", "doctor", "archive", "plot"))
+        if spent:
+            acc.print(spent)
     s.emit(kind="end", step=s.step, result=s.result)
     return s.result
 
 
 def end_of_step(
-    s: TrainState, losses: list[float], grad_norm: float | None, bar: Any, started: float
+    s: TrainState,
+    losses: list[Any],
+    grad_norm: Any,
+    bar: Any,
+    started: float,
+    timer: RunTimer | None = None,
 ) -> None:
-    """After an optimizer step: upkeep, the metrics row, and a checkpoint or images when due."""
+    """After an optimizer step: upkeep, the metrics row, and a checkpoint or images when due.
+
+    The loss and gradient norm stay on the device until a step that needs them as numbers:
+    one that is logged, checkpointed or sampled (its row, the finite-loss guard). Other steps
+    never wait for the device; the `step` event goes to the callbacks with each logged row.
+    """
     t, acc = s.cfg.train, s.accelerator
     s.step += 1
     s.cursor = (s.epoch, s.position)
     s.method.after_step(s.comps)
     if s.ema is not None:
         s.ema.step(s.params)
-    loss = sum(losses) / len(losses)
-    losses.clear()
-    scale = acc.scaler.get_scale() if acc.scaler is not None else None
-    guard_finite(loss, grad_norm, s.step, s.precision, scale, s.result.checkpoint)
-    row = step_row(s, loss, grad_norm, scale, started)
     last = s.step == t.max_train_steps
-    if t.stable_loss_steps and (s.step % t.stable_loss_steps == 0 or last):
-        row.update(fixed_losses(s))
-    if s.step % t.logging_steps == 0 or last or "stable_loss" in row:
-        log_row(acc, s.run, row)
-    bar.update(1)
-    bar.set_postfix(loss=f"{loss:.4f}")
-    s.emit(kind="step", **row)
-    if t.checkpointing_steps and s.step % t.checkpointing_steps == 0 and not last:
-        save(s, s.step)
+    stable = bool(t.stable_loss_steps) and (s.step % t.stable_loss_steps == 0 or last)
+    checkpoint = bool(t.checkpointing_steps) and s.step % t.checkpointing_steps == 0 and not last
     every = s.cfg.validation.validation_steps
-    if s.main and (last or (every and s.step % every == 0)):
-        grid = validate(s, s.step)
+    sample = last or bool(every and s.step % every == 0)
+    logged = s.step % t.logging_steps == 0 or last or stable
+    bar.update(1)
+    if timer is not None:
+        _report_warmup(s, timer.step_done(s.step))
+    if logged or checkpoint or sample:
+        # The same decision on every process: the loss average is a collective.
+        loss, norm = step_numbers(acc, losses, grad_norm)
+        scale = acc.scaler.get_scale() if acc.scaler is not None else None
+        guard_finite(loss, norm, s.step, s.precision, scale, s.result.checkpoint)
+        row = step_row(s, loss, norm, scale, started)
+        if stable:
+            row.update(fixed_losses(s))
+        logged = logged or "stable_loss" in row
+        if logged:
+            log_row(acc, s.run, row)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            s.emit(kind="step", **row)
+    losses.clear()
+    if checkpoint:
+        save(s, s.step)
+    if s.main and sample and not is_fsdp(acc):
+        phase = "final_sample" if last else "sample"
+        with timer.phase(phase, step=s.step) if timer else contextlib.nullcontext():
+            grid = validate(s, s.step)
         s.result.validation_grids.append(grid)
         log_grid(s.accelerator, s.step, grid)  # to the tracker too, where it takes images
+
+
+def _report_warmup(s: TrainState, row: dict[str, Any] | None) -> None:
+    """Say on the console what the first step cost beyond a later one (a compile's warm-up)."""
+    if row is None or not s.cfg.train.compile:
+        return
+    s.accelerator.print(
+        f"compile: the first step took {row['seconds']:.1f} s, a later one "
+        f"{row['later_step_seconds']:.2f} s: a warm-up of {row['warmup_seconds']:.1f} s"
+    )
+
+
+def _next_batch(s: TrainState, batches: list[list[int]]) -> tuple[int, int, list[int]]:
+    """(epoch, index, samples) of this process's batch after the one now starting: later in
+    this epoch, or the first of the next (whose order is as fixed as this one's)."""
+    t = s.cfg.train
+    if s.position < len(batches):
+        return s.epoch, s.position + s.rank, batches[s.position + s.rank]
+    following = epoch_batches(s.data.plan, t.train_batch_size, t.seed, s.epoch + 1, s.world)
+    if s.rank >= len(following):
+        return s.epoch + 1, s.rank, []
+    return s.epoch + 1, s.rank, following[s.rank]
 
 
 def _on_interrupt(s: TrainState) -> None:
     """Stopped by the user: keep what was learned, then stop cleanly."""
     last = s.result.checkpoint
     saved = last is not None and last.name == s.run.checkpoint(s.step).name
-    if s.deepspeed and s.step > 0 and not saved:
-        # A DeepSpeed checkpoint needs every process at the same point, which an interrupt
-        # does not promise: the last periodic checkpoint is the one to resume from.
-        s.accelerator.print("under DeepSpeed no checkpoint is saved on an interrupt")
+    if per_process(s) and s.step > 0 and not saved:
+        # A DeepSpeed or FSDP checkpoint needs every process at the same point, which an
+        # interrupt does not promise: the last periodic checkpoint is the one to resume from.
+        s.accelerator.print("under DeepSpeed or FSDP no checkpoint is saved on an interrupt")
     elif s.main and s.step > 0 and not saved:
         save(s, s.step)
     s.result.interrupted = True
