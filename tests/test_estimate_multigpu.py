@@ -64,8 +64,10 @@ def test_zero2_and_fsdp_divide_what_they_shard(tiny_sd15):
     # On a tiny model DeepSpeed's reduce bucket (5e8 elements) outweighs all that is divided.
     assert zero2["gradient_buckets"] == 500_000_000 * 2
     assert estimate(cfg, processes=2, layout="fsdp").peak_bytes < estimate(cfg).peak_bytes
-    # The frozen parts are on every GPU whole.
-    assert fsdp["vae_weights"] == zero2["vae_weights"] == one["vae_weights"]
+    # The frozen encoders are on every GPU whole under ZeRO; under FSDP they leave it once the
+    # cache is filled, as no images are drawn there.
+    assert zero2["vae_weights"] == one["vae_weights"] > 0
+    assert fsdp["vae_weights"] == 0
 
 
 def test_ddp_adds_the_gradient_buckets_and_divides_nothing(tiny_sd15):

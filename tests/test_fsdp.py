@@ -186,6 +186,7 @@ def test_accelerate_config_refusals(options, message):
         ({"network_type": "full", "blocks_to_swap": 1}, "blocks_to_swap"),
         ({"base_quantization": "int8"}, "base_quantization"),
         ({"ema_decay": 0.99}, "ema_decay"),
+        ({"compile": True}, "compile"),
         ({"train_text_encoder": True}, "network_type lora"),
     ],
 )

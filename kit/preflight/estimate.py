@@ -331,6 +331,12 @@ def from_trace(
         kept[name] = stored(quant, sum(by_dtype.values()), inv["quantized"].get(name))
         comps[f"{name}_weights"] = kept[name] - (plan["host"] if name == "denoiser" else 0)
     comps["swap_buffers"] = plan["staging"]
+    if layout.split == "fsdp":
+        # FSDP draws no validation images while training: once the cache is filled, the
+        # encoders and the VAE go to CPU memory (the setup phase still holds them).
+        for name in tr["frozen"]:
+            if name != "denoiser":
+                comps[f"{name}_weights"] = 0
     trained = tr["trained_bytes"]
     optim = tr["optimizer"][optimizer]
     half = 4 if shape.precision == "no" else 2
@@ -436,7 +442,12 @@ def from_trace(
         "counted as flash / memory-efficient kernels keep it (output and log-sum-exp)",
     ]
     encoders = sum(comps[f"{n}_weights"] for n in tr["frozen"] if n != "denoiser")
-    if not method.live_text and encoders:
+    if split == "fsdp":
+        notes.append(
+            "under FSDP the text encoders and the VAE leave the GPU once the cache is filled "
+            "(no validation images are drawn while training)"
+        )
+    elif not method.live_text and encoders:
         notes.append(
             f"text encoders and VAE stay on the GPU ({encoders / GIB:.2f} GiB) once the cache "
             "is filled: validation draws with them"

@@ -48,8 +48,10 @@ class Layout:
       unit's whole gradient (`set_requires_gradient_sync(False)`), in the reduce dtype.
 
     Only what is trained is sharded under ZeRO; an adapter's frozen base, the VAE and the text
-    encoders are on every GPU whole under any layout (accelerate shards only what it prepares,
-    and the kit prepares the trained modules). One process is the single-GPU estimate."""
+    encoders are on every GPU whole (accelerate shards only what it prepares, and the kit
+    prepares the trained modules). Under FSDP the VAE and the text encoders go to CPU memory
+    once the cache is filled, as no validation images are drawn there; they count in the
+    setup phase only. One process is the single-GPU estimate."""
 
     kind: str = "ddp"
     processes: int = 1
@@ -147,7 +149,7 @@ def layout_note(
         divided += " and the gradients"
     if kind == "fsdp":
         divided = "the denoiser's weights (trained and frozen), its gradients and optimizer state"
-        on_every_gpu = f"{on_every} stay whole on every GPU"
+        on_every_gpu = f"{on_every} encode the cache, then leave the GPU"
         note = (
             f"FSDP on {n} GPUs: {divided} are divided by {n}; {on_every_gpu}; each GPU "
             f"gathers whole units as they compute ({gathered / GIB:.2f} GiB: the largest "

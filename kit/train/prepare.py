@@ -25,12 +25,15 @@ from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
 from kit.sample.validate import default_prompts
-from kit.train.accel import deepspeed_launch, make_accelerator
+from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
+from kit.train.agreement import check_agreement
+from kit.train.classes import draw_class_images, wanted
 from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss
 from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
 from kit.train.state import Callback, TrainResult, TrainState
+from kit.train.step import check_compile, compile_denoiser
 
 
 def prepare(
@@ -49,6 +52,7 @@ def prepare(
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)  # a pair that cannot be trained is refused here
     _refuse_deepspeed_with_several_models(method)
+    _refuse_under_fsdp(cfg, method)
     accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)
     device = accelerator.device
     weight_dtype = torch_dtype(precision)  # the frozen base's; trained weights stay fp32
@@ -59,12 +63,19 @@ def prepare(
         method=method,
         deepspeed=deepspeed_launch(),
     )
+    check_compile(t.compile, t.blocks_to_swap, deepspeed_launch(), device)
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     refuse_mixed_runs(run, resume, overwrite)
     # A dataset without one usable file fails here, before any download or deletion. This is
     # the run's only scan: the cache plan below buckets its samples.
+    if wanted(cfg):  # a prior dataset's class images, drawn once by the base model
+        if accelerator.is_main_process:
+            draw_class_images(cfg, family, device, weight_dtype, accelerator.print)
+        accelerator.wait_for_everyone()
     scanned = check_dataset(cfg.data, family)
+    # Every process on the same config and images, before anything is cached or trained.
+    check_agreement(cfg, scanned.samples, _gather_object, accelerator.num_processes)
     # The cache is planned first: parts whose every entry is cached are never loaded.
     identity = family.identity(cfg.model.pretrained_model, cfg.model.revision)
     dropout = o.caption_dropout > 0  # only caption dropout needs the empty caption
@@ -103,9 +114,15 @@ def prepare(
             m.to(
                 device, dtype=None if any(m is k for k in keep) or m is comps.vae else weight_dtype
             )
-    fill_cache(data, cfg, family, comps, device)
+    _fill_shared(accelerator, data, cfg, family, comps)
     if holdout is not None:
-        fill_cache(holdout, cfg, family, comps, device)
+        _fill_shared(accelerator, holdout, cfg, family, comps)
+    if is_fsdp(accelerator):
+        # FSDP draws no images while training, and every text is cached: the encoders and the
+        # VAE give their GPU memory to the sharded denoiser (the estimate counts them so).
+        for m in comps.frozen_modules():
+            if m is not comps.denoiser:
+                m.to("cpu")
     # Layer by layer on the device: a quantized denoiser is never there whole in full precision.
     quantized = {
         "denoiser": quant.quantize(comps.denoiser, kind, device=device, dtype=weight_dtype)
@@ -138,6 +155,8 @@ def prepare(
     if t.gradient_checkpointing:
         comps.denoiser.enable_gradient_checkpointing()
     comps.denoiser.train()
+    if t.compile:
+        compile_denoiser(comps.denoiser)  # in place: names and hooks stay; warm-up at step 1
     optimizer = make_optimizer(groups, t)
     scheduler = make_scheduler(optimizer, t, accelerator.num_processes)
     # Before accelerate: the swap keeps its stored weights in CPU memory, and accelerate is
@@ -146,6 +165,9 @@ def prepare(
     trained, optimizer, scheduler = _prepare_trained(
         accelerator, method, comps, optimizer, scheduler, keep_placement=swap is not None
     )
+    if is_fsdp(accelerator):
+        # FSDP replaced each parameter by its shard; the optimizer holds the new ones.
+        params = [p for g in optimizer.param_groups for p in g["params"]]
     ema = EMA(params, o.ema_decay, o.ema_on_cpu) if o.ema_decay > 0 else None
     # Saved in checkpoints; batches draw from streams of their own.
     generator = torch.Generator().manual_seed(t.seed)
@@ -190,7 +212,9 @@ def prepare(
     s.result.step = s.step
     _write_run_files(s)
     start_trackers(accelerator, cfg)
-    s.prompts = default_prompts(cfg, [x.caption for x in data.samples])
+    # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
+    taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
+    s.prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
     return s
 
 
@@ -205,6 +229,48 @@ def _refuse_deepspeed_with_several_models(method: Any) -> None:
             "(kit accelerate-config without --deepspeed-stage), or train fewer parts "
             "(train_text_encoder: false)"
         )
+
+
+def _refuse_under_fsdp(cfg: Config, method: Any) -> None:
+    """What an FSDP launch cannot train, refused before anything loads, naming the keys."""
+    if not fsdp_launch():
+        return
+    count = int(method.trains_denoiser) + len(method.trained_text_encoders())
+    refusals = {
+        "blocks_to_swap": cfg.train.blocks_to_swap > 0 and (
+            f"blocks_to_swap: {cfg.train.blocks_to_swap} moves whole blocks between CPU and "
+            "GPU, while FSDP keeps each block split across the processes; set blocks_to_swap: 0 "
+            "(FSDP's own --fsdp-offload keeps the shards in CPU memory)"
+        ),
+        "base_quantization": cfg.model.base_quantization != "none" and (
+            f"base_quantization: {cfg.model.base_quantization} stores the base in packed "
+            "tensors that FSDP cannot split; set base_quantization: none (FSDP splits the "
+            "full-precision base instead), or launch without FSDP"
+        ),
+        "compile": cfg.train.compile and (
+            "compile: true is not tried with FSDP's sharded blocks by the kit; set compile: "
+            "false, or launch without FSDP"
+        ),
+        "ema_decay": cfg.objective.ema_decay > 0 and (
+            f"ema_decay: {cfg.objective.ema_decay} keeps an average of the trained weights, "
+            "which the kit does not shard under FSDP; set ema_decay: 0, or launch without FSDP"
+        ),
+        "network_type": (count != 1 or not method.trains_denoiser) and (
+            f"network_type {method.name} trains {count} model(s) here, not the denoiser "
+            "alone, and the kit shards the denoiser under FSDP; train the denoiser only "
+            "(train_text_encoder: false), or launch without FSDP"
+        ),
+    }
+    found = [why for why in refusals.values() if why]
+    if found:
+        raise KitError("cannot train under FSDP: " + "; ".join(found))
+
+
+def _gather_object(records: list[Any]) -> list[Any]:
+    """Every process's list, joined in rank order (accelerate's collective)."""
+    from accelerate.utils import gather_object
+
+    return gather_object(records)
 
 
 def _prepare_trained(
@@ -250,8 +316,37 @@ def _holdout(
     if not folder:
         return None
     # Every held-out image counts: a small bucket is kept whole, never dropped or moved.
-    held = cfg.replace(image_dir=folder, caption_dir="", small_bucket_policy="repeat")
+    # Held-out images are scored whole: their loss is a measure, not a lesson, and they seldom
+    # come with masks.
+    held = cfg.replace(
+        image_dir=folder,
+        caption_dir="",
+        datasets=[],
+        masked_loss=False,
+        mask_dir="",
+        small_bucket_policy="repeat",
+    )
     return plan_cache(held, identity, dtype, family=family)
+
+
+def _fill_shared(
+    accelerator: Any, data: CachedDataset, cfg: Config, family: Family, comps: Any
+) -> None:
+    """Fill the cache with every process encoding its own share, so caching time falls with the
+    process count. Each process writes its entries (its own shards) atomically; once all are
+    done, each reads what the others wrote and runs the whole pass, which encodes nothing new
+    (it drops undecodable images everywhere alike, and fills any share left unfinished).
+
+    `data.stats` counts what this process encoded, and what was cached before the run."""
+    n, device = accelerator.num_processes, accelerator.device
+    if n > 1:
+        fill_cache(data, cfg, family, comps, device, share=(accelerator.process_index, n))
+        own = dict(data.stats)
+        accelerator.wait_for_everyone()
+        data.store.refresh()
+    fill_cache(data, cfg, family, comps, device)
+    if n > 1:
+        data.stats = {k: v + data.stats[k] if k.endswith("_encoded") else v for k, v in own.items()}
 
 
 def _parts_needed(
