@@ -198,13 +198,14 @@ def test_fsdp_optimizer_state_per_process_is_the_estimate(tiny_sd15):
     world = 2
     with mp.Manager() as manager:
         out = manager.dict()
-        # Forked, so the processes start without importing anything again.
+        # Spawned, not forked: a fork of a process whose torch thread pools already run (as in
+        # a whole test session) can deadlock in the child.
         mp.start_processes(
             _fsdp_process,
             args=(world, free_port(), str(tiny_sd15 / "unet"), out),
             nprocs=world,
             join=True,
-            start_method="fork",
+            start_method="spawn",
         )
         held = dict(out)
     cfg = _tiny(tiny_sd15, network_type="full", mixed_precision="no")

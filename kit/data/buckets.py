@@ -270,8 +270,12 @@ def plan_buckets(
     every = sorted({b for bs in lists.values() for b in bs}, key=lambda wh: (wh[0] / wh[1], wh[0]))
     plan = BucketPlan(every, [], group_size=group_size)
     plan.dataset_repeats = [v.repeats for v in seen]
+    chosen: dict[tuple[int, int, int], tuple[int, int]] = {}  # sizes repeat in a dataset
     for s in samples:
-        bucket = assign_bucket(s.width, s.height, lists[s.dataset])
+        size = (s.width, s.height, s.dataset)
+        if size not in chosen:
+            chosen[size] = assign_bucket(s.width, s.height, lists[s.dataset])
+        bucket = chosen[size]
         need = upscale_needed(s, bucket)
         if need > data[s.dataset].max_upscale + 1e-9:
             plan.dropped.append((s.image, _too_small(need, data[s.dataset])))

@@ -7,9 +7,8 @@ or refused with a `BadImage` error that says why, so that one bad file never sto
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+import os
+import threading
 from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -29,36 +28,44 @@ class BadImage(DataError):
     """An image file that cannot be used; the message is the reason, without the path."""
 
 
-@contextmanager
-def _opened(path: Path, max_pixels: int) -> Iterator[Image.Image]:
-    """The image opened lazily (header only), with the kit's own pixel limit in place of Pillow's."""
-    limit = Image.MAX_IMAGE_PIXELS
-    # Pillow checks its global limit inside `open`; the kit checks `max_pixels` itself just
-    # below, so that a user may raise the limit for a real panorama without touching Pillow.
-    Image.MAX_IMAGE_PIXELS = None
+_PIXEL_LIMIT = threading.Lock()
+"""Held while Pillow's global pixel limit is lifted for one `open`, so that two threads opening
+images at once cannot leave it lifted."""
+
+
+def _open_header(path: str | Path, max_pixels: int) -> Image.Image:
+    """The image opened lazily (header only), with the kit's own pixel limit in place of Pillow's.
+
+    Pillow checks its global limit inside `open` (warning, then refusing); with the limit lifted
+    it neither warns nor refuses, so no warning filter is needed, and the kit checks `max_pixels`
+    itself just below, so that a user may raise the limit for a real panorama without touching
+    Pillow. A plain function rather than a context manager: a scan calls it once per image.
+    """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(path)
+        with _PIXEL_LIMIT:
+            limit = Image.MAX_IMAGE_PIXELS
+            Image.MAX_IMAGE_PIXELS = None
+            try:
+                im = Image.open(path)
+            finally:
+                Image.MAX_IMAGE_PIXELS = limit
     except UnidentifiedImageError:
         # The size is looked at only now, so that a good file costs no extra system call.
-        if path.stat().st_size == 0:
+        if os.stat(path).st_size == 0:
             raise BadImage("empty file (0 bytes)") from None
         raise BadImage("not an image (corrupt, or a format Pillow cannot read)") from None
     except FileNotFoundError:
         raise BadImage("file not found (moved or deleted since the scan)") from None
     except _DECODE_ERRORS as e:
         raise BadImage(f"cannot read the header: {e or type(e).__name__}") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = limit
-    with im:
-        w, h = im.size
-        if w * h > max_pixels:
-            raise BadImage(
-                f"{w}x{h} is {w * h:,} pixels, over max_image_pixels {max_pixels:,} "
-                "(a possible decompression bomb)"
-            )
-        yield im
+    w, h = im.size
+    if w * h > max_pixels:
+        im.close()
+        raise BadImage(
+            f"{w}x{h} is {w * h:,} pixels, over max_image_pixels {max_pixels:,} "
+            "(a possible decompression bomb)"
+        )
+    return im
 
 
 def _displayed_size(im: Image.Image) -> tuple[int, int]:
@@ -76,7 +83,7 @@ def _displayed_size(im: Image.Image) -> tuple[int, int]:
 
 def probe(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """Width and height as displayed (after EXIF rotation), from the header; BadImage if unusable."""
-    with _opened(Path(path), max_pixels) as im:
+    with _open_header(path, max_pixels) as im:
         return _displayed_size(im)
 
 
@@ -87,7 +94,7 @@ def open_rgb(
 ) -> Image.Image:
     """The decoded image, upright, as 8-bit RGB with transparency laid on `background`."""
     bg = parse_color(background) if isinstance(background, str) else tuple(background)
-    with _opened(Path(path), max_pixels) as im:
+    with _open_header(path, max_pixels) as im:
         try:
             im.load()
             im = ImageOps.exif_transpose(im)

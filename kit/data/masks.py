@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from kit.config import Config, DataConfig
@@ -35,6 +34,7 @@ from kit.errors import ConfigError, DataError
 from kit.families import family_info
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 ALPHA = "alpha"
@@ -266,6 +266,8 @@ def _grey(im: Image.Image) -> np.ndarray:
     """A mask image's values in [0, 1]: its alpha when it has any transparency (white strokes on
     a transparent layer, or a cut-out), else its grey level (16-bit and float images keep their
     full range; colours count by their luminance)."""
+    import numpy as np
+
     if _transparent(im):
         rgba = im if im.mode in _ALPHA_MODES else im.convert("RGBA")
         alpha = np.asarray(rgba.getchannel(len(rgba.getbands()) - 1), dtype=np.float32) / 255.0
@@ -288,6 +290,8 @@ def read_mask(source: MaskSource) -> np.ndarray:
     The alpha channel of the image itself (`file` None), or the mask file read by `_grey`. A
     file whose header read fine but whose pixels do not raises BadImage naming it and the key.
     """
+    import numpy as np
+
     path = source.file or source.image
     try:
         with _opened(path) as im:
@@ -315,6 +319,7 @@ def read_mask(source: MaskSource) -> np.ndarray:
 def fit_mask(mask: np.ndarray, placement: Placement) -> torch.Tensor:
     """The mask fitted to the bucket as the pixels are (`kit.data.pixels`): resized with the same
     filter (so its edges fall where the image's do), mirrored, then cropped; (H, W) in [0, 1]."""
+    import numpy as np
     import torch  # here, not at the top: a bucket report imports this module without torch
 
     im = Image.fromarray(np.ascontiguousarray(mask, dtype=np.float32), "F")
@@ -367,6 +372,8 @@ def mask_preview(cfg: Config, n: int = 8, size: int = 192, columns: int = 4) -> 
 
     Images left out for their masks are not on the sheet: `plan_masks(cfg).refused` lists them.
     """
+    import numpy as np
+
     if not masked(cfg.data):
         raise ConfigError("masked_loss: is off, so no image trains with a mask")
     masks = plan_masks(cfg)

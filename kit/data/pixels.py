@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 from PIL import Image
 
 from kit.config import DataConfig
@@ -57,6 +56,7 @@ def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
     top, left = placement.crop
     bw, bh = placement.bucket
     im = im.crop((left, top, left + bw, top + bh))
+    import numpy as np
     import torch
 
     arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
