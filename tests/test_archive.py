@@ -49,6 +49,7 @@ def test_two_runs_archived_and_compared(tmp_path, make_config, capsys):
     assert set(arc["kit"]) == {"version", "git_commit"}
 
     png = tmp_path / "compare.png"
+    capsys.readouterr()  # what training printed (its timings) is not the comparison's
     assert main(["compare", str(runs["a"]), str(runs["b"]), "--json", "--plot", str(png)]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["config"] == {"learning_rate": [1e-3, 5e-3]}
