@@ -8,8 +8,8 @@ times the scaling factor) and the captions with the text encoder, draws noise an
 adds noise with the DDPM schedule, predicts with the UNet (peft LoRA on to_q/to_k/to_v/to_out.0,
 gaussian init, alpha = rank), takes the MSE in fp32, reads the loss back for its running
 average (as the script's `avg_loss.item()` does), clips and steps torch's AdamW under
-accelerate. At the end it saves the LoRA and draws one sample. The kit runs `kit.train.loop.train`
-on the same job (latents and text cached once, then trained on).
+accelerate. At the end it saves the LoRA and draws one sample. The kit runs as a user runs it,
+`python -m kit train CONFIG`, on the same job (latents and text cached once, then trained on).
 
 Two jobs:
 
@@ -18,7 +18,7 @@ Two jobs:
 - `real`: the real SD1.5 UNet, VAE and CLIP text encoder from the shipped configs (random
   weights, no download), 256 px, batch 1, a few steps (each takes seconds on a CPU).
 
-Each run is a fresh process (`--one`), timed from its start to its exit, with its peak RSS;
+Each run is a fresh process, timed from its start to its exit, with its peak RSS;
 kit and script alternate A B A B and the table reports the means and their ratios.
 Steady-state steps/s leave out the first `--warmup` steps.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
 import tempfile
@@ -109,39 +109,40 @@ def write_inputs(tmp: Path, job: str) -> tuple[Path, Path]:
 # ---------------------------------------------------------------- one run each
 
 
-def kit_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
-    """`kit.train.loop.train` on the job; per-step times from its metrics."""
-    from kit.config import from_dict
-    from kit.run.folder import RunDir
-    from kit.train.loop import train
-
+def kit_config(base: Path, images: Path, out: Path, job: str) -> Path:
+    """The job as a kit config file, for `kit train CONFIG` (what a user runs)."""
     spec = JOBS[job]
-    cfg = from_dict(
-        {
-            "model_family": "sd15",
-            "pretrained_model": str(base),
-            "image_dir": str(images),
-            "cache_dir": str(out / "cache"),
-            "output_dir": str(out / "run"),
-            "resolution": spec["resolution"],
-            "bucket_step": 32,
-            "lora_rank": spec["rank"],
-            "lora_alpha": spec["rank"],
-            "learning_rate": LR,
-            "lr_scheduler": "constant",
-            "train_batch_size": spec["batch"],
-            "max_train_steps": spec["steps"],
-            "checkpointing_steps": 0,
-            "validation_prompt": [PROMPT],
-            "validation_seeds": [SEED],
-            "validation_num_inference_steps": SAMPLE_STEPS,
-            "report_to": "none",
-            "seed": SEED,
-        }
-    )
-    train(cfg)
-    times = [r["time"] for r in RunDir(out / "run").read_metrics() if "time" in r]
-    return {"times": times}
+    path = out / "config.json"
+    fields = {
+        "model_family": "sd15",
+        "pretrained_model": str(base),
+        "image_dir": str(images),
+        "cache_dir": str(out / "cache"),
+        "output_dir": str(out / "run"),
+        "resolution": spec["resolution"],
+        "bucket_step": 32,
+        "lora_rank": spec["rank"],
+        "lora_alpha": spec["rank"],
+        "learning_rate": LR,
+        "lr_scheduler": "constant",
+        "train_batch_size": spec["batch"],
+        "max_train_steps": spec["steps"],
+        "checkpointing_steps": 0,
+        "validation_prompt": [PROMPT],
+        "validation_seeds": [SEED],
+        "validation_num_inference_steps": SAMPLE_STEPS,
+        "report_to": "none",
+        "seed": SEED,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fields, indent=1))
+    return path
+
+
+def kit_times(out: Path) -> list[float]:
+    """Per-step times of a `kit train` run, from its metrics."""
+    rows = [json.loads(x) for x in (out / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return [r["time"] for r in rows if "time" in r]
 
 
 def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
@@ -277,28 +278,37 @@ def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
 
 
 def one(side: str, base: Path, images: Path, out: Path, job: str) -> None:
-    """One run in this process; prints its JSON result (times, peak RSS) on the last line."""
+    """The script's run in this process; prints its JSON result (step times) on the last line."""
     from kit.logs import quiet_libraries
 
     quiet_libraries()
     out.mkdir(parents=True, exist_ok=True)
-    result = (kit_run if side == "kit" else script_run)(base, images, out, job)
-    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps(result))
+    print(json.dumps(script_run(base, images, out, job)))
 
 
 def spawn(side: str, base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
-    """Run `side` in a fresh process: its result plus seconds from start to exit."""
-    cmd = [sys.executable, __file__, "--one", side, "--job", job]
-    cmd += ["--base", str(base), "--images", str(images), "--out", str(out)]
+    """Run `side` in a fresh process: its step times, seconds from start to exit and peak RSS.
+
+    The kit side is `python -m kit train CONFIG`, the command a user runs; the script side this
+    file's stand-in. Each child's own peak RSS comes from `wait4`."""
+    out.mkdir(parents=True, exist_ok=True)
+    if side == "kit":
+        cmd = [sys.executable, "-m", "kit", "train", str(kit_config(base, images, out, job))]
+    else:
+        cmd = [sys.executable, __file__, "--one", side, "--job", job]
+        cmd += ["--base", str(base), "--images", str(images), "--out", str(out)]
+    log = out / f"{side}.log"
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    with open(log, "w") as f:
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        _, status, usage = os.wait4(child.pid, 0)
     seconds = time.perf_counter() - start
-    if done.returncode:
-        raise SystemExit(f"{side} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    result["seconds"] = seconds
-    return result
+    child.returncode = os.waitstatus_to_exitcode(status)
+    text = log.read_text()
+    if child.returncode:
+        raise SystemExit(f"{side} run failed:\n{text[-3000:]}")
+    times = kit_times(out) if side == "kit" else json.loads(text.strip().splitlines()[-1])["times"]
+    return {"times": times, "seconds": seconds, "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
 def steady(times: list[float], warmup: int) -> float:

@@ -1,7 +1,5 @@
 """`python -m kit` is the `kit` command."""
 
-import sys
+from kit.cli import run
 
-from kit.cli import main
-
-sys.exit(main())
+run()
