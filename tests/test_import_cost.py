@@ -193,3 +193,22 @@ def test_a_training_run_scans_its_dataset_once(tmp_path, tiny_sd15, monkeypatch)
     assert result.step == 1
     assert len(scans) == 1
     assert sorted(Path(p).name for p in probes) == sorted(p.name for p in data.glob("*.png"))
+
+
+def test_the_kit_program_exits_with_its_commands_code(tmp_path):
+    """`python -m kit` (the `kit` program, `kit.cli.run`) returns what the command returned,
+    errors included, though it skips the interpreter's last garbage collection."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run(
+        [sys.executable, "-m", "kit", "families"], capture_output=True, text=True, check=False
+    )
+    assert ok.returncode == 0 and "sd15" in ok.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "kit", "buckets", str(tmp_path / "missing.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "missing.json" in bad.stderr
