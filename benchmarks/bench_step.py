@@ -141,7 +141,9 @@ def kit_config(base: Path, images: Path, out: Path, job: str) -> Path:
 
 def kit_times(out: Path) -> list[float]:
     """Per-step times of a `kit train` run, from its metrics."""
-    rows = [json.loads(x) for x in (out / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(x) for x in (out / "run" / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
     return [r["time"] for r in rows if "time" in r]
 
 

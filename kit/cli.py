@@ -367,7 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("plan", help="propose a config from the dataset and the task, with reasons")
     sp.add_argument(
-        "data_dir", nargs="?", default="", help="folder of images and captions (none: --config's datasets)"
+        "data_dir",
+        nargs="?",
+        default="",
+        help="folder of images and captions (none: --config's datasets)",
     )
     sp.add_argument("--task", required=True, choices=["character", "style", "concept"])
     sp.add_argument("--family", help="model family (default: the config's, else sd15)")

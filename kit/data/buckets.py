@@ -220,8 +220,7 @@ def flip_coin(seed: int, epoch: int, sample: Sample, repeat: int = 0) -> bool:
     per repeat, for a dataset with `repeats`)."""
     again = f"-{repeat}" if repeat else ""
     return (
-        random.Random(f"{seed}-epoch-{epoch}-flip-{sample.image.as_posix()}{again}").random()
-        < 0.5
+        random.Random(f"{seed}-epoch-{epoch}-flip-{sample.image.as_posix()}{again}").random() < 0.5
     )
 
 

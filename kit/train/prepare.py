@@ -237,25 +237,30 @@ def _refuse_under_fsdp(cfg: Config, method: Any) -> None:
         return
     count = int(method.trains_denoiser) + len(method.trained_text_encoders())
     refusals = {
-        "blocks_to_swap": cfg.train.blocks_to_swap > 0 and (
+        "blocks_to_swap": cfg.train.blocks_to_swap > 0
+        and (
             f"blocks_to_swap: {cfg.train.blocks_to_swap} moves whole blocks between CPU and "
             "GPU, while FSDP keeps each block split across the processes; set blocks_to_swap: 0 "
             "(FSDP's own --fsdp-offload keeps the shards in CPU memory)"
         ),
-        "base_quantization": cfg.model.base_quantization != "none" and (
+        "base_quantization": cfg.model.base_quantization != "none"
+        and (
             f"base_quantization: {cfg.model.base_quantization} stores the base in packed "
             "tensors that FSDP cannot split; set base_quantization: none (FSDP splits the "
             "full-precision base instead), or launch without FSDP"
         ),
-        "compile": cfg.train.compile and (
+        "compile": cfg.train.compile
+        and (
             "compile: true is not tried with FSDP's sharded blocks by the kit; set compile: "
             "false, or launch without FSDP"
         ),
-        "ema_decay": cfg.objective.ema_decay > 0 and (
+        "ema_decay": cfg.objective.ema_decay > 0
+        and (
             f"ema_decay: {cfg.objective.ema_decay} keeps an average of the trained weights, "
             "which the kit does not shard under FSDP; set ema_decay: 0, or launch without FSDP"
         ),
-        "network_type": (count != 1 or not method.trains_denoiser) and (
+        "network_type": (count != 1 or not method.trains_denoiser)
+        and (
             f"network_type {method.name} trains {count} model(s) here, not the denoiser "
             "alone, and the kit shards the denoiser under FSDP; train the denoiser only "
             "(train_text_encoder: false), or launch without FSDP"
