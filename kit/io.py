@@ -3,6 +3,7 @@ reading of the JSON and YAML files a user writes."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -121,3 +122,12 @@ def _yaml_loader() -> type:
         list("-+0123456789."),
     )
     return Loader
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -14,7 +14,6 @@ A `mask_dir` that is not a folder is a config mistake and stops the run.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,10 +27,11 @@ from kit.config import Config, DataConfig
 from kit.data.buckets import Placement, plan_dataset
 from kit.data.datasets import views
 from kit.data.images import BadImage, probe
-from kit.data.pixels import load_pixels
+from kit.data.pixels import fit_to_bucket, load_pixels
 from kit.data.scan import IMAGE_EXTS, Sample, ScanReport, check_dataset
 from kit.errors import ConfigError, DataError
 from kit.families import family_info
+from kit.io import sha256_file
 
 if TYPE_CHECKING:
     import numpy as np
@@ -150,14 +150,6 @@ def has_alpha(path: Path) -> bool:
         return _transparent(im)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def mask_source(sample: Sample, cfg: DataConfig) -> MaskSource:
     """Where the sample's mask comes from, checked from headers (no pixels decoded).
 
@@ -210,7 +202,7 @@ def mask_source(sample: Sample, cfg: DataConfig) -> MaskSource:
             f"{where.label}: mask {file} is {size[0]}x{size[1]}, but its image {image} is "
             f"{sample.width}x{sample.height}; a mask must match its image's size (mask_dir)"
         )
-    return MaskSource(image, file, _sha256(file), where.label)
+    return MaskSource(image, file, sha256_file(file), where.label)
 
 
 @dataclass
@@ -323,12 +315,7 @@ def fit_mask(mask: np.ndarray, placement: Placement) -> torch.Tensor:
     import torch  # here, not at the top: a bucket report imports this module without torch
 
     im = Image.fromarray(np.ascontiguousarray(mask, dtype=np.float32), "F")
-    im = im.resize(placement.resized, Image.Resampling.LANCZOS)
-    if placement.flip:
-        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    top, left = placement.crop
-    bw, bh = placement.bucket
-    im = im.crop((left, top, left + bw, top + bh))
+    im = fit_to_bucket(im, placement)
     # Lanczos rings a little past a hard edge: a weight stays within [0, 1].
     return torch.from_numpy(np.clip(np.asarray(im, dtype=np.float32), 0.0, 1.0))
 

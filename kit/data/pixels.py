@@ -45,17 +45,23 @@ def load_pixels(
     return _fit(im, placement)
 
 
-def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
-    """Resize (and mirror) one picture, then crop it to its bucket: (3, H, W) in [-1, 1].
-
-    Mirrored before the crop, so the recorded crop is the offset in the pixels trained on.
-    """
+def fit_to_bucket(im: Image.Image, placement: Placement) -> Image.Image:
+    """A picture (or a mask) resized to cover its bucket, mirrored when the placement says so,
+    then cropped to it: one filter and one order for everything that must line up."""
     im = im.resize(placement.resized, Image.Resampling.LANCZOS)
     if placement.flip:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     top, left = placement.crop
     bw, bh = placement.bucket
-    im = im.crop((left, top, left + bw, top + bh))
+    return im.crop((left, top, left + bw, top + bh))
+
+
+def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
+    """Resize (and mirror) one picture, then crop it to its bucket: (3, H, W) in [-1, 1].
+
+    Mirrored before the crop, so the recorded crop is the offset in the pixels trained on.
+    """
+    im = fit_to_bucket(im, placement)
     import numpy as np
     import torch
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import time
@@ -12,7 +11,7 @@ from typing import Any
 
 from kit.config import flat_config
 from kit.errors import KitError
-from kit.io import write_json, write_with
+from kit.io import sha256_file, write_json, write_with
 from kit.report.plots import smooth
 from kit.run.env import devices, versions
 from kit.run.folder import RunDir, open_run
@@ -21,14 +20,6 @@ ARCHIVE_FILE = RunDir(Path()).archive.name
 SCHEMA = 1
 # Keys that name where a run lives rather than how it trained: every pair of runs differs there.
 RUN_IDENTITY_KEYS = ("output_dir",)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _iso(seconds: float | None) -> str | None:
@@ -94,7 +85,7 @@ def _dataset(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
         files.append(row)
     return {
         "manifest": run.manifest.name,
-        "manifest_sha256": _sha256(run.manifest),
+        "manifest_sha256": sha256_file(run.manifest),
         "files": files,
     }
 
@@ -103,7 +94,7 @@ def _validation(run: RunDir) -> list[dict[str, str]]:
     if not run.validation.is_dir():
         return []
     return [
-        {"path": p.relative_to(run.root).as_posix(), "sha256": _sha256(p)}
+        {"path": p.relative_to(run.root).as_posix(), "sha256": sha256_file(p)}
         for p in sorted(run.validation.rglob("*.png"))
     ]
 
