@@ -145,6 +145,17 @@ def test_unlogged_steps_do_not_sync_and_prefetch_changes_nothing(
         return original(acc, losses, grad_norm)
 
     monkeypatch.setattr(loop, "step_numbers", counted)
+    made: list[Prefetcher] = []
+
+    class ReadAhead(Prefetcher):
+        """Reads ahead as on a GPU (the loop turns it off on a CPU, see below)."""
+
+        def __init__(self, data, seed, enabled=True):
+            made.append(self)
+            assert enabled is False, "on a CPU the loop asks for no read-ahead"
+            super().__init__(data, seed, enabled=True)
+
+    monkeypatch.setattr(loop, "Prefetcher", ReadAhead)
     a = tmp_path / "a"
     events: list[dict] = []
     loop.train(
@@ -164,8 +175,10 @@ def test_unlogged_steps_do_not_sync_and_prefetch_changes_nothing(
         max(first["seconds"] - first["later_step_seconds"], 0), abs=2e-3
     )
 
+    assert made and made[0].hits > 0, "the run was to read ahead"
+
     class NoReadAhead(Prefetcher):
-        def __init__(self, data, seed):
+        def __init__(self, data, seed, enabled=True):
             super().__init__(data, seed, enabled=False)
 
     monkeypatch.setattr(loop, "Prefetcher", NoReadAhead)

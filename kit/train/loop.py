@@ -63,7 +63,10 @@ def fit(s: TrainState) -> TrainResult:
     bar = progress_bar(acc, s.step, t.max_train_steps)
     losses: list[Any] = []  # of the micro-steps of the optimizer step under way (tensors)
     timer = RunTimer(s.run, s.main)
-    prefetch = Prefetcher(s.data, t.seed)
+    # On a CPU the reads would start a second OpenMP team beside the step's, and two teams
+    # spinning on the same cores slow each other many times over; the device is the CPU, so
+    # there is nothing to hide the reads behind anyway.
+    prefetch = Prefetcher(s.data, t.seed, enabled=s.device.type != "cpu")
     started = time.perf_counter()
     restore_signals = _sigterm_as_interrupt()
     try:
