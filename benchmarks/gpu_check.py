@@ -17,11 +17,16 @@ The estimate (`kit.preflight.estimate.estimate` of the same config) runs on the 
 beside the cases. The table, with the machine, versions and date, goes to `benchmarks/gpu_check.md`
 and into the "GPU check" section of benchmarks/README.md.
 
+`--compare-sdxl` first runs the kit against the SDXL LoRA script on the same job (bench_step.py's
+`sdxl` job: 1024 px, bf16, 8 steps of which 3 warm-up, on the SDXL folder the cases use) and adds
+its "kit vs script" table: steps/s, peak VRAM, MFU; `--no-cases` runs that comparison alone.
+
 `--dry-run` prints the plan, builds every case's config and runs the estimator, without a GPU.
 `--tiny --device cpu` runs the same path end to end on the families' tiny models (a smoke test).
 
 Usage: python benchmarks/gpu_check.py [--quick] [--cases PATTERN[,PATTERN]] [--dry-run]
        [--budget SECONDS] [--out FILE] [--tiny] [--device cuda|cpu] [--fill-readme FILE]
+       [--compare-sdxl [--no-cases]]
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ TOKEN, INIT_TOKEN = "<gpucheck>", "square"  # textual inversion: the new token, 
 SOURCE_KEY = "gpu_check_source.sha256"  # in a built folder: the configs it was built from
 MIN_LEFT_S = 20  # a case that would start with less of the budget left is skipped
 EXTRA_PACKAGES = ("bitsandbytes", "torchao")  # base quantization may need them
+COMPARE_STEPS, COMPARE_WARMUP = 8, 3  # the kit-vs-script comparison's steps, per side
+COMPARE_SIDE_S = {
+    False: 120,
+    True: 60,
+}  # one side's run at most (real, --tiny): load, steps, sample
+COMPARE_BUILD_S = {False: 150, True: 30}  # the SDXL folder's build, when not already there
 
 
 @dataclass(frozen=True)
@@ -359,6 +370,25 @@ def child_estimate(specs: list[dict[str, Any]]) -> None:
         sys.stdout.flush()
 
 
+def child_compare(spec: dict[str, Any]) -> None:
+    """The kit against the SDXL script (bench_step.py's `compare_sdxl`); its result."""
+    result = bench_step().compare_sdxl(**spec)
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def bench_step() -> Any:
+    """benchmarks/bench_step.py, imported by path (this folder is not a package)."""
+    import importlib.util
+
+    if "bench_step" not in sys.modules:
+        path = Path(__file__).with_name("bench_step.py")
+        spec = importlib.util.spec_from_file_location("bench_step", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_step"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["bench_step"]
+
+
 def estimate_one(name: str, cfg: Any, estimate: Any) -> dict[str, Any]:
     start = time.perf_counter()
     try:
@@ -618,9 +648,11 @@ def dry_run(cases: list[Case], args: argparse.Namespace, work: Path) -> list[dic
     return rows
 
 
-def run_all(cases: list[Case], args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+def run_all(
+    cases: list[Case], args: argparse.Namespace, work: Path, deadline: float | None = None
+) -> list[dict[str, Any]]:
     """Every case in a child of its own, within the budget; the estimates in a child beside."""
-    deadline = time.monotonic() + args.budget
+    deadline = deadline or time.monotonic() + args.budget
     env = child_env(args.device)
     src = sources({c.arch for c in cases}, work, args.tiny)
     results: dict[str, dict[str, Any]] = {c.name: {"name": c.name} for c in cases}
@@ -674,6 +706,91 @@ def run_all(cases: list[Case], args: argparse.Namespace, work: Path) -> list[dic
     return [results[c.name] for c in cases]
 
 
+# ---------------------------------------------------------------- kit vs script
+
+
+def compare_cost(tiny: bool, built: bool) -> int:
+    """Seconds the comparison is budgeted (conservatively): both sides' runs, and the SDXL
+    folder's build when it is not there yet."""
+    return 2 * COMPARE_SIDE_S[tiny] + (0 if built else COMPARE_BUILD_S[tiny])
+
+
+def compare_line(args: argparse.Namespace, work: Path) -> str:
+    """The comparison in the plan: what it runs and what it is budgeted."""
+    spec = bench_step().sdxl_spec(args.tiny, COMPARE_STEPS, COMPARE_WARMUP)
+    built = model_built(work, "sdxl", args.tiny)
+    return (
+        f"  {'compare-sdxl':<28} kit vs script, SDXL LoRA {spec['resolution']} px "
+        f"{spec['precision']} rank {spec['rank']}, {spec['steps']} steps "
+        f"({spec['warmup']} warm-up) each; budgeted {compare_cost(args.tiny, built)} s"
+        + ("" if built else " (with the SDXL build)")
+    )
+
+
+def model_built(work: Path, arch: str, tiny: bool) -> bool:
+    """Whether the architecture's folder is already built from its current configs."""
+    key = model_dir(work, arch, tiny) / SOURCE_KEY
+    src = sources({arch}, work, tiny)[arch]
+    return key.is_file() and key.read_text() == source_key(src)
+
+
+def dry_run_compare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The comparison's kit config, checked, and its model FLOPs per step; no weights."""
+    from kit.config import load_config
+
+    bench = bench_step()
+    spec = bench.sdxl_spec(args.tiny, COMPARE_STEPS, COMPARE_WARMUP)
+    src = sources({"sdxl"}, work, args.tiny)["sdxl"]
+    out = work / "compare-sdxl" / "dry-run"
+    try:
+        load_config(bench.sdxl_kit_config(src, work / "compare-sdxl" / "images", out, spec))
+        flops = bench.unet_step_flops(src, spec)
+    except Exception as e:  # say so and go on, as the cases' dry run does
+        row = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(f"  {'compare-sdxl':<28} {row['error']}", flush=True)
+        return row
+    print(
+        f"  {'compare-sdxl':<28} kit config checked; model FLOPs per step "
+        f"{flops / 1e12:.4g} TFLOP (UNet forward and backward)",
+        flush=True,
+    )
+    return {"flops_per_step": flops}
+
+
+def run_compare(args: argparse.Namespace, work: Path, deadline: float) -> dict[str, Any]:
+    """The kit against the SDXL script in a child, if the budget left holds its cost; on the
+    SDXL folder the cases use (built here when not there yet)."""
+    built = model_built(work, "sdxl", args.tiny)
+    cost, left = compare_cost(args.tiny, built), deadline - time.monotonic()
+    if left < cost:
+        return {"status": f"skipped: budgeted {cost} s, {left:.0f} s of the budget left"}
+    src = sources({"sdxl"}, work, args.tiny)["sdxl"]
+    timeout = min(ARCHS["sdxl"].build_timeout_s, left)
+    folder, why = ensure_model("sdxl", src, work, args, timeout)
+    print(f"model sdxl: {why}", flush=True)
+    if folder is None:
+        return {"status": f"failed: {why}"}
+    runs = work / "compare-sdxl"
+    for path in [*runs.glob("kit-*"), *runs.glob("script-*")]:  # the images are kept
+        shutil.rmtree(path, ignore_errors=True)
+    spec = {"tiny": args.tiny, "device": args.device, "steps": COMPARE_STEPS}
+    spec.update(warmup=COMPARE_WARMUP, base=str(folder), work=str(runs))
+    timeout = min(2 * COMPARE_SIDE_S[args.tiny] + 60, deadline - time.monotonic())
+    got = run_child(
+        "compare", spec, work / "logs" / "compare-sdxl", timeout, child_env(args.device)
+    )
+    print(f"compare-sdxl: {got['status']} in {got['seconds']:.0f} s", flush=True)
+    return got
+
+
+def render_compare(r: dict[str, Any]) -> str:
+    """The comparison's section of the markdown: its table, or why there is none."""
+    head = "Kit vs script (SDXL LoRA, `--compare-sdxl`):"
+    if r.get("status") != "ok":
+        return f"{head} {r.get('status', 'not run')}.\n"
+    return f"{head}\n\n{bench_step().sdxl_table(r)}"
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -705,18 +822,21 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any], warmup: int) -> str
     lines = [
         f"Run {meta['date']} on {meta['machine']} (`{meta['mode']}`), kit commit {meta['commit']}; "
         + ", ".join(f"{n} {v.get(n, '?')}" for n in names)
-        + ".",
+        + f". Took {meta['seconds']:.0f} s.",
         "",
-        f"{models}; batch 1, AdamW, LoRA rank 16 on the family's default targets, "
-        f"{meta['steps']} steps (steps/s after {warmup} warm-up steps); Flux with gradient "
-        "checkpointing. Measured: the peak `torch.cuda.max_memory_allocated` of the training "
-        "steps, against the estimate's allocated bytes; weights: the estimate's weights against "
-        f"what was allocated when training started. Took {meta['seconds']:.0f} s.",
-        "",
-        "| case | status | steps/s | estimate GiB | measured GiB | error | weights GiB (estimate / "
-        "at start) | loss first → last | image | s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if rows:
+        lines += [
+            f"{models}; batch 1, AdamW, LoRA rank 16 on the family's default targets, "
+            f"{meta['steps']} steps (steps/s after {warmup} warm-up steps); Flux with gradient "
+            "checkpointing. Measured: the peak `torch.cuda.max_memory_allocated` of the training "
+            "steps, against the estimate's allocated bytes; weights: the estimate's weights "
+            "against what was allocated when training started.",
+            "",
+            "| case | status | steps/s | estimate GiB | measured GiB | error | weights GiB "
+            "(estimate / at start) | loss first → last | image | s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
     reasons = []
     for r in rows:
         est = r.get("estimate", {})
@@ -758,7 +878,7 @@ def fill_readme(body: str, readme: Path = README) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for hidden in ("--child-case", "--child-build", "--child-estimate"):
+    for hidden in ("--child-case", "--child-build", "--child-estimate", "--child-compare"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="one case of each kind, fewer steps")
     parser.add_argument("--cases", action="append", default=[], help="globs, comma-separated")
@@ -772,8 +892,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the markdown table (default benchmarks/gpu_check.md)")
     parser.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
     parser.add_argument("--fill-readme", metavar="FILE", help="put a saved table in README.md")
+    parser.add_argument("--compare-sdxl", action="store_true", help="kit vs the SDXL script first")
+    parser.add_argument("--no-cases", action="store_true", help="with --compare-sdxl: only that")
     args = parser.parse_args(argv)
-    for role, run in (("case", child_case), ("build", child_build), ("estimate", child_estimate)):
+    roles = [("case", child_case), ("build", child_build), ("estimate", child_estimate)]
+    for role, run in [*roles, ("compare", child_compare)]:
         spec_file = getattr(args, f"child_{role}")
         if spec_file:
             run(json.loads(Path(spec_file).read_text()))
@@ -786,12 +909,18 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     patterns = [p.strip() for arg in args.cases for p in arg.split(",") if p.strip()]
-    cases = select(all_cases(), patterns, args.quick)
+    if args.no_cases and not args.compare_sdxl:
+        raise SystemExit("--no-cases leaves nothing to run without --compare-sdxl")
+    cases = [] if args.no_cases else select(all_cases(), patterns, args.quick)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("KIT_VRAM_CACHE", tempfile.mkdtemp(prefix="vram-", dir=work))
     print("\n".join(plan_lines(cases, args)), flush=True)
+    if args.compare_sdxl:
+        print(compare_line(args, work), flush=True)
     if args.dry_run:
+        if args.compare_sdxl:
+            dry_run_compare(args, work)
         rows = dry_run(cases, args, work)
         failed = [r["name"] for r in rows if "error" in r]
         print(f"dry run: {len(rows) - len(failed)} of {len(rows)} cases estimated", flush=True)
@@ -808,11 +937,15 @@ def main(argv: list[str] | None = None) -> None:
             )
     start = time.monotonic()
     try:
-        rows = run_all(cases, args, work)
+        deadline = start + args.budget
+        compare = run_compare(args, work, deadline) if args.compare_sdxl else None
+        rows = run_all(cases, args, work, deadline) if cases else []
     finally:
         for proc in list(_LIVE):  # stopped early (Ctrl-C): no child outlives the run
             kill(proc)
-    mode = " ".join(["--quick"] * args.quick + ["--tiny"] * args.tiny + [f"--device {args.device}"])
+    flags = ["--quick"] * args.quick + ["--tiny"] * args.tiny + [f"--device {args.device}"]
+    flags += ["--compare-sdxl"] * args.compare_sdxl + ["--no-cases"] * args.no_cases
+    mode = " ".join(flags)
     dev = next((r["device"] for r in rows if r.get("device")), {})
     meta = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -825,6 +958,8 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": time.monotonic() - start,
     }
     table = render(rows, meta, args.warmup)
+    if compare is not None:
+        table += "\n" + render_compare(compare)
     print(table, flush=True)
     real = args.device == "cuda" and not args.tiny
     out = (
@@ -834,7 +969,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(table, encoding="utf-8")
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cases": rows}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps({"meta": meta, "cases": rows, "compare": compare}, indent=1)
+    )
     if real and not args.no_readme:
         fill_readme(table)
     print(f"wrote {out}", flush=True)

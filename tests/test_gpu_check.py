@@ -219,3 +219,47 @@ def test_one_case_end_to_end_on_the_tiny_model_on_the_cpu(tmp_path, tiny_base):
     (case,) = raw["cases"]
     assert len(case["losses"]) == 3 and case["estimate"]["allocated_bytes"] > 0
     assert "Not yet measured" in gc.README.read_text()  # a smoke run leaves the README alone
+
+
+def test_compare_sdxl_is_planned_checked_and_skipped_when_the_budget_is_short(tmp_path, capsys):
+    gc.main(["--dry-run", "--tiny", "--compare-sdxl", "--no-cases", "--work-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "compare-sdxl" in out and "8 steps (3 warm-up)" in out and "budgeted" in out
+    assert "kit config checked; model FLOPs per step" in out
+    assert "0 of 0 cases estimated" in out  # --no-cases: the comparison alone
+    assert not (tmp_path / "models").exists()
+    # A budget below the comparison's cost: skipped with a line saying so, nothing built.
+    table = tmp_path / "out.md"
+    args = ["--tiny", "--device", "cpu", "--compare-sdxl", "--no-cases", "--budget", "5"]
+    gc.main([*args, "--work-dir", str(tmp_path), "--out", str(table)])
+    text = table.read_text()
+    assert "Kit vs script (SDXL LoRA, `--compare-sdxl`): skipped: budgeted 150 s, " in text
+    assert "| case |" not in text  # no cases, no case table
+    assert json.loads(table.with_suffix(".json").read_text())["compare"]["status"].startswith(
+        "skipped"
+    )
+    assert not (tmp_path / "models").exists()
+    with pytest.raises(SystemExit, match="--no-cases"):
+        gc.main(["--dry-run", "--no-cases", "--work-dir", str(tmp_path)])
+
+
+def test_compare_section_renders_the_kit_vs_script_table():
+    bench = gc.bench_step()
+    run = {
+        "times": [0.0, 0.5, 1.0],
+        "losses": [0.2],
+        "seconds": 60.0,
+        "peak_rss_mib": 9000.0,
+        "device_name": "NVIDIA H200",
+        "setup_peak": 20 * gc.GIB,
+        "train_peak": 14 * gc.GIB,
+        "peak": 20 * gc.GIB,
+    }
+    result = bench.sdxl_summary(
+        bench.sdxl_spec(steps=3, warmup=1), 1, int(14e12), {"kit": [run], "script": [run]}
+    )
+    text = gc.render_compare({**result, "status": "ok"})
+    assert text.startswith("Kit vs script (SDXL LoRA, `--compare-sdxl`):")
+    assert "| steps/s (steady) | 2.000 | 2.000 | 1.00 |" in text
+    assert "| MFU | 2.8% | 2.8% | – |" in text  # 14 TFLOP × 2 /s of 989.5 TFLOP/s
+    assert "989.5 TFLOP/s dense bf16" in text
