@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +16,6 @@ from kit.data.buckets import epoch_batches, place, plan_buckets, plan_dataset
 from kit.data.cache import build_cache, file_digest
 from kit.data.pixels import load_pixels
 from kit.data.scan import load_samples, scan
-from kit.errors import DataError
 from kit.families import get_family
 from kit.toy.world import write_example_clips, write_example_dataset
 
@@ -81,21 +79,6 @@ def test_animated_gif_is_a_clip(tmp_path):
     (tmp_path / "spin.txt").write_text("a spinning thing")
     (s,) = load_samples(DataConfig(image_dir=str(tmp_path), num_frames=5), get_family("wan"))
     assert (s.clip, s.frames, s.total_frames, s.caption) == (True, 5, 6, "a spinning thing")
-
-
-def test_video_file_without_imageio_names_the_file_and_the_fix(tmp_path):
-    if importlib.util.find_spec("imageio") and importlib.util.find_spec("imageio_ffmpeg"):
-        pytest.skip("imageio with ffmpeg is installed here")
-    mp4 = tmp_path / "walk.mp4"
-    mp4.write_bytes(b"\x00\x00\x00\x18ftypmp42")  # never decoded: the missing reader speaks first
-    (tmp_path / "walk.txt").write_text("a walk")
-    with pytest.raises(DataError, match=r"pip install imageio\[ffmpeg\]") as err:
-        video.read_frames(mp4, [0])
-    assert str(mp4) in str(err.value)
-    with pytest.raises(
-        DataError, match=r"unreadable clip .*walk\.mp4.*pip install imageio\[ffmpeg\]"
-    ):
-        load_samples(DataConfig(image_dir=str(tmp_path)), get_family("wan"))
 
 
 def test_example_clips_are_deterministic_and_captioned(tmp_path):
