@@ -66,38 +66,11 @@ SAMPLE_STEPS = 2
 
 
 def write_real_sd15(out: Path) -> Path:
-    """The real SD1.5 architecture (shipped configs, random weights) in diffusers layout."""
-    import torch
-    from diffusers import (
-        AutoencoderKL,
-        DDIMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    from kit.families import tiny
+    """The real SD1.5 architecture (shipped configs, random weights) in diffusers layout,
+    built by gpu_check's `build_model` in fp32 on the CPU."""
     from kit.families.shipped import MODEL_CONFIGS
 
-    src = MODEL_CONFIGS / "sd15"
-    torch.manual_seed(SEED)
-    tokenizer = tiny.clip_tokenizer()  # a small vocabulary; its ids fit the real embedding table
-    text = CLIPTextModel(CLIPTextConfig.from_pretrained(src / "text_encoder"))
-    vae = AutoencoderKL.from_config(AutoencoderKL.load_config(src / "vae"))
-    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(src / "unet"))
-    scheduler = DDIMScheduler.from_config(DDIMScheduler.load_config(src / "scheduler"))
-    pipe = StableDiffusionPipeline(
-        vae=vae,
-        text_encoder=text,
-        tokenizer=tokenizer,
-        unet=unet,
-        scheduler=scheduler,
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
-    pipe.save_pretrained(out)
-    return out
+    return sibling("gpu_check").build_model("sd15", MODEL_CONFIGS / "sd15", out, "float32", "cpu")
 
 
 def write_inputs(tmp: Path, job: str) -> tuple[Path, Path]:
@@ -119,9 +92,9 @@ def write_inputs(tmp: Path, job: str) -> tuple[Path, Path]:
 # ---------------------------------------------------------------- one run each
 
 
-def kit_config(base: Path, images: Path, out: Path, job: str) -> Path:
-    """The job as a kit config file, for `kit train CONFIG` (what a user runs)."""
-    spec = JOBS[job]
+def kit_config(base: Path, images: Path, out: Path, spec: dict[str, Any], **extra: Any) -> Path:
+    """A job (`JOBS[...]` or `sdxl_spec`) as a kit config file, for `kit train CONFIG` (what a
+    user runs); `extra` adds the fields one job sets (family, targets, precision…)."""
     path = out / "config.json"
     fields = {
         "model_family": "sd15",
@@ -130,7 +103,6 @@ def kit_config(base: Path, images: Path, out: Path, job: str) -> Path:
         "cache_dir": str(out / "cache"),
         "output_dir": str(out / "run"),
         "resolution": spec["resolution"],
-        "bucket_step": 32,
         "lora_rank": spec["rank"],
         "lora_alpha": spec["rank"],
         "learning_rate": LR,
@@ -143,6 +115,7 @@ def kit_config(base: Path, images: Path, out: Path, job: str) -> Path:
         "validation_num_inference_steps": SAMPLE_STEPS,
         "report_to": "none",
         "seed": SEED,
+        **extra,
     }
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(fields, indent=1))
@@ -305,7 +278,13 @@ def spawn(side: str, base: Path, images: Path, out: Path, job: str) -> dict[str,
     file's stand-in. Each child's own peak RSS comes from `wait4`."""
     out.mkdir(parents=True, exist_ok=True)
     if side == "kit":
-        cmd = [sys.executable, "-m", "kit", "train", str(kit_config(base, images, out, job))]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kit",
+            "train",
+            str(kit_config(base, images, out, JOBS[job], bucket_step=32)),
+        ]
     else:
         cmd = [sys.executable, __file__, "--one", side, "--job", job]
         cmd += ["--base", str(base), "--images", str(images), "--out", str(out)]
@@ -464,33 +443,16 @@ def sibling(name: str) -> Any:
 
 def sdxl_kit_config(base: Path, images: Path, out: Path, spec: dict[str, Any]) -> Path:
     """The SDXL job as a kit config file."""
-    path = out / "config.json"
-    fields = {
-        "model_family": "sdxl",
-        "pretrained_model": str(base),
-        "image_dir": str(images),
-        "cache_dir": str(out / "cache"),
-        "output_dir": str(out / "run"),
-        "resolution": spec["resolution"],
-        "lora_rank": spec["rank"],
-        "lora_alpha": spec["rank"],
-        "lora_target_modules": LORA_TARGETS,
-        "learning_rate": LR,
-        "lr_scheduler": "constant",
-        "train_batch_size": spec["batch"],
-        "max_train_steps": spec["steps"],
-        "mixed_precision": spec["precision"],
-        "gradient_checkpointing": spec["checkpointing"],
-        "checkpointing_steps": 0,
-        "validation_prompt": [PROMPT],
-        "validation_seeds": [SEED],
-        "validation_num_inference_steps": SAMPLE_STEPS,
-        "report_to": "none",
-        "seed": SEED,
-    }
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(fields, indent=1))
-    return path
+    return kit_config(
+        base,
+        images,
+        out,
+        spec,
+        model_family="sdxl",
+        lora_target_modules=LORA_TARGETS,
+        mixed_precision=spec["precision"],
+        gradient_checkpointing=spec["checkpointing"],
+    )
 
 
 class VramProbe:

@@ -313,10 +313,11 @@ def _encode_missing(
     vae_dtype = comps.vae.dtype if todo else None
     if todo:
         comps.vae.to(dtype=LATENT_DTYPE)  # back to its dtype once the latents are cached
+    seen = views(cfg.data)
     for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
         s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
         try:
-            pixels = sample_pixels(s, p, views(cfg.data)[s.dataset].data)
+            pixels = sample_pixels(s, p, seen[s.dataset].data)
             mask = bucket_mask(data.masks[i], p) if data.masks else None
         except BadImage as e:  # a file whose header read fine but whose pixels do not
             bad[i] = str(e)

@@ -369,18 +369,13 @@ class CaptionPlan:
     """Images whose caption is kept (it has one, and `overwrite` is off)."""
 
 
-def dataset_sections(cfg: Config | DataConfig) -> list[tuple[str, DataConfig]]:
-    """(name, data section) for the single folder, or for each entry of `datasets`."""
-    data = cfg.data if isinstance(cfg, Config) else cfg
-    return [(v.name, v.data) for v in views(data)]
-
-
 def find_targets(cfg: Config | DataConfig, overwrite: bool = False) -> list[CaptionPlan]:
     """Per dataset, the images to caption: those without a caption or with an empty one, or
     (with `overwrite`) all that train; unreadable or skipped images are left out."""
     family = get_family(cfg.model.model_family, cfg) if isinstance(cfg, Config) else None
     plans = []
-    for name, data in dataset_sections(cfg):
+    for view in views(cfg.data if isinstance(cfg, Config) else cfg):
+        name, data = view.name, view.data
         if data.caption_strategy != "textfile":
             raise KitError(
                 f"caption_strategy: captioners write caption files, but dataset {name} has "

@@ -25,7 +25,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from kit.config import Config, DataConfig
 from kit.data.buckets import Placement, plan_dataset
-from kit.data.datasets import views
+from kit.data.datasets import DatasetView, views
 from kit.data.images import BadImage, probe
 from kit.data.pixels import fit_to_bucket, load_pixels
 from kit.data.scan import IMAGE_EXTS, Sample, ScanReport, check_dataset
@@ -75,10 +75,9 @@ class _Folders:
     mask_dir: Path | None
 
 
-def _folders(cfg: DataConfig, sample: Sample) -> _Folders:
-    """The sample's dataset (as messages name it), image folder and mask folder (a dataset's own
+def _folders(view: DatasetView) -> _Folders:
+    """A dataset's name (as messages name it), image folder and mask folder (a dataset's own
     `mask_dir`, else the data section's; empty means the alpha channel)."""
-    view = views(cfg)[sample.dataset]
     mask_dir = Path(view.data.mask_dir) if view.data.mask_dir else None
     return _Folders(view.where or f"dataset {view.name!r}", Path(view.data.image_dir), mask_dir)
 
@@ -150,15 +149,17 @@ def has_alpha(path: Path) -> bool:
         return _transparent(im)
 
 
-def mask_source(sample: Sample, cfg: DataConfig) -> MaskSource:
-    """Where the sample's mask comes from, checked from headers (no pixels decoded).
+def mask_source(sample: Sample, cfg: DataConfig, view: DatasetView | None = None) -> MaskSource:
+    """Where the sample's mask comes from, checked from headers (no pixels decoded); `view` is
+    the sample's dataset when the caller has it (see `kit.data.datasets`).
 
     A DataError, naming the dataset, the file and the key, when there is no mask, the mask file
     cannot be read, or its size (as displayed, after EXIF rotation) is not the image's.
     """
-    where = _folders(cfg, sample)
+    view = view or views(cfg)[sample.dataset]
+    where = _folders(view)
     image = sample.image
-    if not views(cfg)[sample.dataset].data.masked_loss:
+    if not view.data.masked_loss:
         # A dataset trained whole (its own `masked_loss: false`) beside masked ones.
         return MaskSource(image, None, WHOLE, where.label)
     if where.mask_dir is None:
@@ -233,10 +234,11 @@ def plan_masks(cfg: Config, family: Any = None, scanned: ScanReport | None = Non
     if scanned is None:
         scanned = check_dataset(cfg.data, family)
     plan = MaskPlan(scanned, family)
+    seen = views(cfg.data)
     kept = []
     for s in scanned.samples:
         try:
-            plan.sources[(s.image, s.dataset)] = mask_source(s, cfg.data)
+            plan.sources[(s.image, s.dataset)] = mask_source(s, cfg.data, seen[s.dataset])
         except DataError as e:
             plan.refused.append((s.image, str(e)))
             continue
