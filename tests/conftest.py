@@ -4,6 +4,7 @@ that training tests start from."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "datasets_example"
 
 quiet_libraries()
+
+# Every run in the suite, in this process and in the ones it starts, uses torch's own thread
+# count: a count chosen from the machine's load (kit.run.threads) could differ between two runs
+# that a test compares bit for bit. tests/test_threads.py takes the variable away to test that.
+os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")

@@ -501,6 +501,10 @@ class TrainConfig:
     """Compile the denoiser with `torch.compile`: faster steps after a warm-up of a minute or
     more (reported in the log); each new bucket shape compiles once more. Needs a C++ compiler
     on the CPU and triton on a CUDA GPU; refused with `blocks_to_swap` and under DeepSpeed."""
+    cpu_threads: int = 0
+    """Threads of torch's CPU operators; 0: the CPUs this process may use (its affinity and its
+    container's quota) less those other jobs keep busy when the run starts. A resume keeps the
+    count its checkpoint was saved with; `OMP_NUM_THREADS` also sets it."""
     blocks_to_swap: int = 0
     """Keep this many of the denoiser's transformer blocks in CPU memory and bring each to the
     GPU only for its forward and backward (Flux, SD3, Wan): less VRAM, slower steps."""
@@ -539,6 +543,8 @@ class TrainConfig:
         for name in ("train_batch_size", "gradient_accumulation_steps", "max_train_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: {getattr(self, name)} must be at least 1")
+        if self.cpu_threads < 0:
+            raise ConfigError(f"cpu_threads: {self.cpu_threads} must be 0 (auto) or positive")
         if not self.learning_rate > 0 or self.learning_rate == float("inf"):
             raise ConfigError(f"learning_rate: {self.learning_rate} must be positive")
         if self.mixed_precision == "fp32":

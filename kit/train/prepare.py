@@ -23,6 +23,7 @@ from kit.methods import get_method
 from kit.optim import make_optimizer, make_scheduler
 from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
+from kit.run import threads
 from kit.run.folder import RunDir
 from kit.sample.validate import default_prompts
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
@@ -67,6 +68,10 @@ def prepare(
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     refuse_mixed_runs(run, resume, overwrite)
+    # Before any work on the CPU (class images, the cache): see kit.run.threads.
+    cpu = threads.for_run(t.cpu_threads, resume_from)
+    if cpu.changed:
+        accelerator.print(cpu.describe())
     # A dataset without one usable file fails here, before any download or deletion. This is
     # the run's only scan: the cache plan below buckets its samples.
     if wanted(cfg):  # a prior dataset's class images, drawn once by the base model

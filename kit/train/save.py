@@ -66,7 +66,13 @@ def write_checkpoint(
     # The data position of the last finished optimizer step: batches of a step that an
     # interrupt cut short are trained again after a resume.
     epoch, position = s.cursor
-    progress = {"step": step, "epoch": epoch, "position": position, **fingerprint(s.cfg, s.data)}
+    progress = {
+        "step": step,
+        "epoch": epoch,
+        "position": position,
+        "cpu_threads": torch.get_num_threads(),  # a resume keeps it (kit.run.threads)
+        **fingerprint(s.cfg, s.data),
+    }
     extras: dict[str, Any] = {}
     if s.ema is not None:
         extras["ema"] = s.ema.state_dict()
