@@ -26,7 +26,10 @@ Each run is a fresh process, timed from its start to its exit, with its peak RSS
 kit and script alternate A B A B and the table reports the means and their ratios.
 Steady-state steps/s leave out the first `--warmup` steps.
 
-Usage: python benchmarks/bench_step.py [--job tiny|real|both] [--rounds 2]
+`--busy N` runs N other jobs beside both sides, each keeping one CPU busy: the machine a
+user shares with a build, another notebook or another user.
+
+Usage: python benchmarks/bench_step.py [--job tiny|real|both] [--rounds 2] [--busy N]
        python benchmarks/bench_step.py --job sdxl [--device cuda] [--tiny] [--steps 8]
        python benchmarks/bench_step.py --profile   (the kit's step under torch.profiler)
 """
@@ -314,16 +317,32 @@ def steady(times: list[float], warmup: int) -> float:
     return (len(times) - warmup) / (times[-1] - times[warmup - 1])
 
 
-def compare(job: str, rounds: int) -> dict[str, Any]:
-    """Kit and script alternating `rounds` times each on one job; means and ratios."""
+@contextlib.contextmanager
+def busy_jobs(n: int):
+    """`n` other jobs on the machine while the runs go: processes that each keep one CPU busy
+    (a build, a second notebook, another user's training on a shared machine)."""
+    jobs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # running before the first run starts
+        yield
+    finally:
+        for j in jobs:
+            j.kill()
+            j.wait()
+
+
+def compare(job: str, rounds: int, busy: int = 0) -> dict[str, Any]:
+    """Kit and script alternating `rounds` times each on one job, with `busy` other jobs
+    keeping CPUs busy meanwhile; means and ratios."""
     spec = JOBS[job]
     runs: dict[str, list[dict[str, Any]]] = {"kit": [], "script": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base, images = write_inputs(tmp, job)
-        for r in range(rounds):
-            for side in ("kit", "script"):
-                runs[side].append(spawn(side, base, images, tmp / f"{side}-{r}", job))
+        with busy_jobs(busy):
+            for r in range(rounds):
+                for side in ("kit", "script"):
+                    runs[side].append(spawn(side, base, images, tmp / f"{side}-{r}", job))
 
     def mean(side: str, key: str) -> float:
         values = [
@@ -332,7 +351,7 @@ def compare(job: str, rounds: int) -> dict[str, Any]:
         ]
         return sum(values) / len(values)
 
-    out: dict[str, Any] = {"job": job, **spec, "rounds": rounds}
+    out: dict[str, Any] = {"job": job, **spec, "rounds": rounds, "busy_jobs": busy}
     for key in ("seconds", "steps_per_s", "peak_rss_mib"):
         out[f"kit_{key}"] = round(mean("kit", key), 3)
         out[f"script_{key}"] = round(mean("script", key), 3)
@@ -952,6 +971,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--job", choices=["tiny", "real", "both", "sdxl"], default="both")
     parser.add_argument("--rounds", type=int, help="A B pairs per job (2; sdxl 1)")
+    parser.add_argument(
+        "--busy", type=int, default=0, help="other jobs keeping a CPU busy each meanwhile (0)"
+    )
     parser.add_argument("--profile", action="store_true")
     sdxl = parser.add_argument_group("the sdxl job")
     sdxl.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -1005,7 +1027,7 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1))
         return
     jobs = ["tiny", "real"] if args.job == "both" else [args.job]
-    print(json.dumps([compare(job, args.rounds or 2) for job in jobs], indent=2))
+    print(json.dumps([compare(job, args.rounds or 2, args.busy) for job in jobs], indent=2))
 
 
 if __name__ == "__main__":
