@@ -20,7 +20,10 @@ quiet_libraries()
 # Every run in the suite, in this process and in the ones it starts, uses torch's own thread
 # count: a count chosen from the machine's load (kit.run.threads) could differ between two runs
 # that a test compares bit for bit. tests/test_threads.py takes the variable away to test that.
-os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
+if "OMP_NUM_THREADS" not in os.environ:
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 @pytest.fixture(scope="session")

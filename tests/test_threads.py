@@ -4,7 +4,6 @@ override it, and a resume that keeps the count it was saved with."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.train import train
 
-CPUS = len(os.sched_getaffinity(0))
+CPUS = min(threads.affinity_cpus(), threads.TORCH_DEFAULT)
 
 
 @pytest.fixture
@@ -92,6 +91,7 @@ def test_runnable_others_leaves_out_this_process(tmp_path):
 )
 def test_auto_count(tmp_path, monkeypatch, busy, host, local, expected):
     monkeypatch.setattr(threads, "affinity_cpus", lambda: 4)
+    monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
     monkeypatch.setattr(threads.os, "cpu_count", lambda: host)
     proc = fake_proc(tmp_path / "proc", busy + 1)  # + the reading thread
     env = {"LOCAL_WORLD_SIZE": local} if local else {}
@@ -100,8 +100,21 @@ def test_auto_count(tmp_path, monkeypatch, busy, host, local, expected):
     assert choice.available == 4
 
 
+def test_auto_never_goes_above_torchs_own_count(tmp_path, monkeypatch):
+    """Where torch counts fewer threads than the scheduler offers CPUs (physical cores on some
+    systems), an idle machine keeps torch's count."""
+    monkeypatch.setattr(threads, "affinity_cpus", lambda: 8)
+    monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)
+    proc = fake_proc(tmp_path / "proc", 1)
+    assert threads.choose(0, environ={}, proc=proc, cgroup=tmp_path / "none").threads == 4
+    proc = fake_proc(tmp_path / "busy", 6)  # 5 busy of 8: 3 free
+    assert threads.choose(0, environ={}, proc=proc, cgroup=tmp_path / "none").threads == 3
+
+
 def test_settings_override_the_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(threads, "affinity_cpus", lambda: 4)
+    monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
     proc = fake_proc(tmp_path / "proc", 4)  # 3 busy
     cg = tmp_path / "none"
     assert threads.choose(3, environ={}, proc=proc, cgroup=cg).reason == "config"

@@ -27,6 +27,9 @@ import torch
 
 from kit.run.checkpoint import PROGRESS_FILE
 
+TORCH_DEFAULT = torch.get_num_threads()
+"""torch's own count in this process, before any run set one: auto never goes above it (on some
+systems torch counts physical cores, fewer than the CPUs the scheduler offers)."""
 PROC = Path("/proc")
 CGROUP = Path("/sys/fs/cgroup")
 SAMPLES, SAMPLE_GAP_S = 5, 0.01
@@ -168,7 +171,8 @@ def choose(
     busy = min(available - 1, max(0, others - (host - available)))
     # Processes launched side by side on this machine share what is left.
     local = int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
-    return ThreadChoice(max(1, (available - busy) // max(local, 1)), available, busy, "auto")
+    count = min(TORCH_DEFAULT, available - busy) // max(local, 1)
+    return ThreadChoice(max(1, count), available, busy, "auto")
 
 
 def apply(choice: ThreadChoice) -> bool:
