@@ -189,7 +189,7 @@ def verify_export(
     """Apply an export to a fresh diffusers pipeline; redraw the kit's images; compare."""
     cfg = load_config(run.config)
     family = get_family(cfg.model.model_family, cfg)
-    refs, notes = _references(run, cfg.model.base_quantization, step)
+    refs, notes = _references(run, cfg, step)
     # Plain diffusers on the configured base (a single file and `vae_model` included), in the
     # fp32 the kit's reference images are redrawn in.
     pipe = apply(family.base_pipeline(), path)
@@ -214,23 +214,25 @@ def verify_export(
 
 
 def _references(
-    run: RunDir, quantized: str, step: int
+    run: RunDir, cfg: Config, step: int
 ) -> tuple[list[tuple[ImageSpec, Path]], list[str]]:
     """The images an export must reproduce, and what to say about them.
 
-    Those training drew at `step`, else the kit's own redraw of that checkpoint. A run trained
-    on a quantized base (`base_quantization`) drew its validation images on that base, while a
-    client loads the export on the full-precision one; its references are always the redraw,
-    which puts the checkpoint's adapter on the unquantized base, and the note says how far the
-    images training drew are from them.
+    Those training drew at `step`, else the kit's own redraw of that checkpoint. A client loads
+    the export on the full-precision base and draws in fp32, as this check does. A run that drew
+    its validation images otherwise, on a quantized base (`base_quantization`) or in half
+    precision (`mixed_precision`: a bf16 image differs from the fp32 one by more than the
+    tolerance), is compared with the kit's own fp32 redraw of the checkpoint, and the note says
+    how far the images training drew are from it.
     """
     trained = reference_images(run, step)
-    if quantized == "none":
+    drawn = _drawn_as(cfg)
+    if drawn is None:
         return trained or _draw_references(run, step), []
     redrawn = _draw_references(run, step)
     note = (
-        f"the base was stored {quantized} in training: compared with the kit's images of this "
-        "checkpoint on the unquantized base, which clients load the export on"
+        f"training drew its images {drawn}: compared with the kit's fp32 images of this "
+        "checkpoint on the full-precision base, which clients load the export on"
     )
     by_name = {png.name: png for _, png in trained}
     pairs = [(by_name[png.name], png) for _, png in redrawn if png.name in by_name]
@@ -238,6 +240,17 @@ def _references(
         gap = max(int(np.abs(_pixels(a) - _pixels(b)).max()) for a, b in pairs)
         note += f"; the validation images training drew differ from those by up to {gap}"
     return redrawn, [note]
+
+
+def _drawn_as(cfg: Config) -> str | None:
+    """How training drew its validation images, where that is not as a client draws: in fp32
+    on the full-precision base (None)."""
+    how = []
+    if cfg.model.base_quantization != "none":
+        how.append(f"on the base stored {cfg.model.base_quantization}")
+    if cfg.train.mixed_precision != "no":
+        how.append(f"in {cfg.train.mixed_precision}")
+    return " and ".join(how) or None
 
 
 def _pixels(png: Path) -> np.ndarray:
