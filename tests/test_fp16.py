@@ -34,7 +34,8 @@ def test_cpu_fp16_needs_the_switch(monkeypatch):
         assert resolve_precision("fp16") == "no"
     monkeypatch.setenv(CPU_FP16_ENV, "1")
     assert resolve_precision("fp16") == "fp16"
-    with pytest.warns(UserWarning, match="needs a CUDA GPU"):
+    monkeypatch.setattr("kit.train.accel.cpu_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="needs a CUDA GPU or a CPU with bf16"):
         assert resolve_precision("bf16") == "no"  # the switch is for fp16 only
 
 

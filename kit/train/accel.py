@@ -14,6 +14,7 @@ import torch
 from kit.config import Config
 from kit.errors import KitError
 from kit.run import checkpoint as ckpt
+from kit.run.env import cpu_bf16
 from kit.run.folder import RunDir
 
 # Set to 1 to train fp16 (autocast and gradient scaler) on a CPU: slow and of no use for real
@@ -31,8 +32,11 @@ def resolve_precision(requested: str) -> str:
     if not torch.cuda.is_available():
         if requested == "fp16" and os.environ.get(CPU_FP16_ENV) == "1":
             return "fp16"
+        if requested == "bf16" and cpu_bf16():
+            return "bf16"  # autocast on the CPU, in its bf16 instructions
+        also = " or a CPU with bf16 instructions (AVX512-BF16, AMX)" if requested == "bf16" else ""
         warnings.warn(
-            f"mixed_precision={requested!r} needs a CUDA GPU; none found, training in fp32",
+            f"mixed_precision={requested!r} needs a CUDA GPU{also}; none found, training in fp32",
             stacklevel=2,
         )
         return "no"
