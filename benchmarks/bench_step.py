@@ -29,7 +29,11 @@ Steady-state steps/s leave out the first `--warmup` steps.
 `--busy N` runs N other jobs beside both sides, each keeping one CPU busy: the machine a
 user shares with a build, another notebook or another user.
 
+`--precision bf16` trains both sides in bf16 (the kit's `mixed_precision: bf16`, the script's
+`--mixed_precision bf16`): on a CPU with bf16 instructions that is what a user would pick.
+
 Usage: python benchmarks/bench_step.py [--job tiny|real|both] [--rounds 2] [--busy N]
+       [--precision no|bf16]
        python benchmarks/bench_step.py --job sdxl [--device cuda] [--tiny] [--steps 8]
        python benchmarks/bench_step.py --profile   (the kit's step under torch.profiler)
 """
@@ -133,8 +137,13 @@ def kit_times(out: Path) -> list[float]:
     return [r["time"] for r in rows if "time" in r]
 
 
-def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
-    """The stand-in for diffusers' train_text_to_image_lora.py (see the module docstring)."""
+def script_run(
+    base: Path, images: Path, out: Path, job: str, precision: str = "no"
+) -> dict[str, Any]:
+    """The stand-in for diffusers' train_text_to_image_lora.py (see the module docstring).
+    `precision` bf16 does what the script does under `--mixed_precision bf16`: the UNet, VAE
+    and text encoder in bf16 (the LoRA weights too: the script upcasts them for fp16 only),
+    accelerate's autocast, the images cast to bf16 for the VAE, the sample in bf16."""
     import torch
     import torch.nn.functional as F
     from accelerate import Accelerator
@@ -153,7 +162,8 @@ def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
 
     spec = JOBS[job]
     res, batch, rank, steps = spec["resolution"], spec["batch"], spec["rank"], spec["steps"]
-    accelerator = Accelerator(mixed_precision="no")
+    accelerator = Accelerator(mixed_precision=precision)
+    weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     torch.manual_seed(SEED)
     tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
     text_encoder = CLIPTextModel.from_pretrained(base, subfolder="text_encoder")
@@ -162,6 +172,7 @@ def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
     noise_scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
     for m in (unet, vae, text_encoder):
         m.requires_grad_(False)
+        m.to(dtype=weight_dtype)
     unet.add_adapter(
         LoraConfig(
             r=rank,
@@ -213,7 +224,7 @@ def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
     while step < steps:
         for b in loader:
             with accelerator.accumulate(unet):
-                latents = vae.encode(b["pixel_values"]).latent_dist.sample()
+                latents = vae.encode(b["pixel_values"].to(weight_dtype)).latent_dist.sample()
                 latents = latents * vae.config.scaling_factor
                 noise = torch.randn_like(latents)
                 t = torch.randint(
@@ -251,9 +262,10 @@ def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
         tokenizer=tokenizer,
         safety_checker=None,
         requires_safety_checker=False,
+        torch_dtype=weight_dtype,
     )
     pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
+    with torch.no_grad(), accelerator.autocast():
         image = pipe(
             PROMPT,
             num_inference_steps=SAMPLE_STEPS,
@@ -265,16 +277,18 @@ def script_run(base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
     return {"times": times}
 
 
-def one(side: str, base: Path, images: Path, out: Path, job: str) -> None:
+def one(side: str, base: Path, images: Path, out: Path, job: str, precision: str) -> None:
     """The script's run in this process; prints its JSON result (step times) on the last line."""
     from kit.logs import quiet_libraries
 
     quiet_libraries()
     out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(script_run(base, images, out, job)))
+    print(json.dumps(script_run(base, images, out, job, precision)))
 
 
-def spawn(side: str, base: Path, images: Path, out: Path, job: str) -> dict[str, Any]:
+def spawn(
+    side: str, base: Path, images: Path, out: Path, job: str, precision: str = "no"
+) -> dict[str, Any]:
     """Run `side` in a fresh process: its step times, seconds from start to exit and peak RSS.
 
     The kit side is `python -m kit train CONFIG`, the command a user runs; the script side this
@@ -286,10 +300,12 @@ def spawn(side: str, base: Path, images: Path, out: Path, job: str) -> dict[str,
             "-m",
             "kit",
             "train",
-            str(kit_config(base, images, out, JOBS[job], bucket_step=32)),
+            str(
+                kit_config(base, images, out, JOBS[job], bucket_step=32, mixed_precision=precision)
+            ),
         ]
     else:
-        cmd = [sys.executable, __file__, "--one", side, "--job", job]
+        cmd = [sys.executable, __file__, "--one", side, "--job", job, "--precision", precision]
         cmd += ["--base", str(base), "--images", str(images), "--out", str(out)]
     text, seconds, rss = run_process(side, cmd, out / f"{side}.log")
     times = kit_times(out) if side == "kit" else json.loads(text.strip().splitlines()[-1])["times"]
@@ -331,9 +347,9 @@ def busy_jobs(n: int):
             j.wait()
 
 
-def compare(job: str, rounds: int, busy: int = 0) -> dict[str, Any]:
-    """Kit and script alternating `rounds` times each on one job, with `busy` other jobs
-    keeping CPUs busy meanwhile; means and ratios."""
+def compare(job: str, rounds: int, busy: int = 0, precision: str = "no") -> dict[str, Any]:
+    """Kit and script alternating `rounds` times each on one job in `precision` (no: fp32),
+    with `busy` other jobs keeping CPUs busy meanwhile; means and ratios."""
     spec = JOBS[job]
     runs: dict[str, list[dict[str, Any]]] = {"kit": [], "script": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -342,7 +358,8 @@ def compare(job: str, rounds: int, busy: int = 0) -> dict[str, Any]:
         with busy_jobs(busy):
             for r in range(rounds):
                 for side in ("kit", "script"):
-                    runs[side].append(spawn(side, base, images, tmp / f"{side}-{r}", job))
+                    out = tmp / f"{side}-{r}"
+                    runs[side].append(spawn(side, base, images, out, job, precision))
 
     def mean(side: str, key: str) -> float:
         values = [
@@ -352,6 +369,7 @@ def compare(job: str, rounds: int, busy: int = 0) -> dict[str, Any]:
         return sum(values) / len(values)
 
     out: dict[str, Any] = {"job": job, **spec, "rounds": rounds, "busy_jobs": busy}
+    out["precision"] = precision
     for key in ("seconds", "steps_per_s", "peak_rss_mib"):
         out[f"kit_{key}"] = round(mean("kit", key), 3)
         out[f"script_{key}"] = round(mean("script", key), 3)
@@ -974,6 +992,12 @@ def main() -> None:
     parser.add_argument(
         "--busy", type=int, default=0, help="other jobs keeping a CPU busy each meanwhile (0)"
     )
+    parser.add_argument(
+        "--precision",
+        choices=("no", "bf16"),
+        default="no",
+        help="tiny and real jobs: fp32 (no), or bf16 on both sides (a CPU with bf16 instructions)",
+    )
     parser.add_argument("--profile", action="store_true")
     sdxl = parser.add_argument_group("the sdxl job")
     sdxl.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -993,7 +1017,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        one(args.one, args.base, args.images, args.out, args.job)
+        one(args.one, args.base, args.images, args.out, args.job, args.precision)
         return
     if args.one_sdxl:
         one_sdxl(args.one_sdxl, args.spec)
@@ -1027,7 +1051,8 @@ def main() -> None:
             args.json.write_text(json.dumps(result, indent=1))
         return
     jobs = ["tiny", "real"] if args.job == "both" else [args.job]
-    print(json.dumps([compare(job, args.rounds or 2, args.busy) for job in jobs], indent=2))
+    results = [compare(job, args.rounds or 2, args.busy, args.precision) for job in jobs]
+    print(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

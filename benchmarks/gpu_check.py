@@ -791,6 +791,46 @@ def render_compare(r: dict[str, Any]) -> str:
     return f"{head}\n\n{bench_step().sdxl_table(r)}"
 
 
+# ---------------------------------------------------------------- kernels
+
+KERNELS_S = 240
+"""The most seconds `--kernels` may take: SDPA's backends at SD1.5 and SDXL shapes, and the
+real SD1.5 UNet's LoRA step at 512 px in bf16, default against channels_last and compiled."""
+
+
+def run_kernels(args: argparse.Namespace, work: Path, deadline: float) -> str:
+    """benchmarks/bench_kernels.py on this GPU in bf16, in a child within what the budget
+    leaves (at most KERNELS_S); its markdown, or why there is none."""
+    head = "Kernels (`--kernels`, benchmarks/bench_kernels.py):"
+    left = min(KERNELS_S, deadline - time.monotonic())
+    if left < 60:
+        return f"{head} skipped: {left:.0f} s of the budget left.\n"
+    out = work / "kernels.md"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_kernels.py"), "--device", args.device]
+    # On the CPU (a smoke run) a small step and no compile: the GPU's is what is measured.
+    cmd += ["--dtype", "bfloat16", "--unet", "--out", str(out)]
+    cmd += (
+        ["--px", "512", "--compile"] if args.device == "cuda" else ["--px", "64", "--repeats", "1"]
+    )
+    log = work / "logs" / "kernels.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=child_env(args.device),
+            start_new_session=True,  # `finish` ends its whole group on a timeout
+        )
+        _LIVE.append(proc)
+        timed_out = finish(proc, left)
+    if timed_out or not out.is_file():
+        why = f"timed out after {left:.0f} s" if timed_out else f"failed: {last_error(log)}"
+        return f"{head} {why}.\n"
+    return f"{head}\n\n{out.read_text(encoding='utf-8')}"
+
+
 # ---------------------------------------------------------------- the table
 
 
@@ -894,6 +934,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fill-readme", metavar="FILE", help="put a saved table in README.md")
     parser.add_argument("--compare-sdxl", action="store_true", help="kit vs the SDXL script first")
     parser.add_argument("--no-cases", action="store_true", help="with --compare-sdxl: only that")
+    parser.add_argument(
+        "--kernels", action="store_true", help="SDPA backends, channels_last, compile"
+    )
     args = parser.parse_args(argv)
     roles = [("case", child_case), ("build", child_build), ("estimate", child_estimate)]
     for role, run in [*roles, ("compare", child_compare)]:
@@ -909,8 +952,8 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.warmup < args.steps:
         raise SystemExit(f"--warmup {args.warmup} must be below --steps {args.steps}")
     patterns = [p.strip() for arg in args.cases for p in arg.split(",") if p.strip()]
-    if args.no_cases and not args.compare_sdxl:
-        raise SystemExit("--no-cases leaves nothing to run without --compare-sdxl")
+    if args.no_cases and not (args.compare_sdxl or args.kernels):
+        raise SystemExit("--no-cases leaves nothing to run without --compare-sdxl or --kernels")
     cases = [] if args.no_cases else select(all_cases(), patterns, args.quick)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -939,12 +982,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         deadline = start + args.budget
         compare = run_compare(args, work, deadline) if args.compare_sdxl else None
+        kernels = run_kernels(args, work, deadline) if args.kernels else None
         rows = run_all(cases, args, work, deadline) if cases else []
     finally:
         for proc in list(_LIVE):  # stopped early (Ctrl-C): no child outlives the run
             kill(proc)
     flags = ["--quick"] * args.quick + ["--tiny"] * args.tiny + [f"--device {args.device}"]
     flags += ["--compare-sdxl"] * args.compare_sdxl + ["--no-cases"] * args.no_cases
+    flags += ["--kernels"] * args.kernels
     mode = " ".join(flags)
     dev = next((r["device"] for r in rows if r.get("device")), {})
     meta = {
@@ -960,6 +1005,8 @@ def main(argv: list[str] | None = None) -> None:
     table = render(rows, meta, args.warmup)
     if compare is not None:
         table += "\n" + render_compare(compare)
+    if kernels is not None:
+        table += "\n" + kernels
     print(table, flush=True)
     real = args.device == "cuda" and not args.tiny
     out = (
