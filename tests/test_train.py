@@ -33,8 +33,11 @@ GUIDE = {
 }
 
 
-def test_guide_flat_config_trains(tmp_path, tiny_sd15, dataset):
+def test_guide_flat_config_trains(tmp_path, tiny_sd15, dataset, monkeypatch):
     """The config users copy from the guide trains once its paths point at real folders."""
+    # Its bf16 falls back to fp32 on a CPU without bf16 instructions (tests/test_cpu_bf16.py
+    # covers one that has them).
+    monkeypatch.setattr("kit.train.accel.cpu_bf16", lambda: False)
     fields = {
         **GUIDE,
         "pretrained_model": str(tiny_sd15),
