@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.train import train
 
-CPUS = min(threads.affinity_cpus(), threads.TORCH_DEFAULT)
+CPUS = min(threads.available_cpus(), threads.TORCH_DEFAULT)
 
 
 @pytest.fixture
@@ -87,12 +88,13 @@ def test_runnable_others_leaves_out_this_process(tmp_path):
         (2, 6, "", 4),  # busy threads the host's other CPUs can take leave ours alone
         (4, 6, "", 2),
         (0, 4, "2", 2),  # two processes launched side by side share the CPUs
+        (3, 4, "2", 2),  # and read no load: each would count its sibling as other work
     ],
 )
 def test_auto_count(tmp_path, monkeypatch, busy, host, local, expected):
     monkeypatch.setattr(threads, "affinity_cpus", lambda: 4)
     monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: host)
+    monkeypatch.setattr(threads, "host_cpus", lambda: host)
     proc = fake_proc(tmp_path / "proc", busy + 1)  # + the reading thread
     env = {"LOCAL_WORLD_SIZE": local} if local else {}
     choice = threads.choose(0, environ=env, proc=proc, cgroup=tmp_path / "none")
@@ -105,7 +107,7 @@ def test_auto_never_goes_above_torchs_own_count(tmp_path, monkeypatch):
     systems), an idle machine keeps torch's count."""
     monkeypatch.setattr(threads, "affinity_cpus", lambda: 8)
     monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(threads, "host_cpus", lambda: 8)
     proc = fake_proc(tmp_path / "proc", 1)
     assert threads.choose(0, environ={}, proc=proc, cgroup=tmp_path / "none").threads == 4
     proc = fake_proc(tmp_path / "busy", 6)  # 5 busy of 8: 3 free
@@ -115,29 +117,72 @@ def test_auto_never_goes_above_torchs_own_count(tmp_path, monkeypatch):
 def test_settings_override_the_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(threads, "affinity_cpus", lambda: 4)
     monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
+    monkeypatch.setattr(threads, "host_cpus", lambda: 4)
     proc = fake_proc(tmp_path / "proc", 4)  # 3 busy
     cg = tmp_path / "none"
     assert threads.choose(3, environ={}, proc=proc, cgroup=cg).reason == "config"
     c = threads.choose(0, environ={"OMP_NUM_THREADS": "2"}, proc=proc, cgroup=cg)
     assert (c.threads, c.reason) == (2, "environment")
+    c = threads.choose(0, environ={"OMP_NUM_THREADS": "3,1"}, proc=proc, cgroup=cg)
+    assert (c.threads, c.reason) == (3, "environment")  # OpenMP's list: the first level's
+    c = threads.choose(0, environ={"OMP_NUM_THREADS": "lots"}, proc=proc, cgroup=cg)
+    assert (c.threads, c.reason) == (4, "environment")  # set but no number: torch's own
     c = threads.choose(0, resumed=4, environ={}, proc=proc, cgroup=cg)
     assert (c.threads, c.reason) == (4, "resumed")
-    c = threads.choose(0, environ={"OMP_NUM_THREADS": "lots"}, proc=proc, cgroup=cg)
-    assert (c.threads, c.reason) == (1, "auto")  # an unreadable variable is left to torch
-    assert "3 of the 4 CPU(s)" in c.describe()
+    c = threads.choose(0, resumed=64, environ={}, proc=proc, cgroup=cg)
+    assert (c.threads, c.reason) == (4, "resumed")  # never more than this machine offers
+    c = threads.choose(0, environ={}, proc=proc, cgroup=cg)
+    assert (c.threads, c.reason) == (1, "auto")
+    assert "4 CPU(s) this process may use, 3 of them busy" in c.describe()
+
+
+def test_a_containers_own_load_average_is_not_corrected_for_the_host(tmp_path, monkeypatch):
+    """Under LXCFS /proc/loadavg counts the container's tasks only: all of them compete for
+    its CPUs, however many the host has."""
+    monkeypatch.setattr(threads, "affinity_cpus", lambda: 4)
+    monkeypatch.setattr(threads, "TORCH_DEFAULT", 4)
+    monkeypatch.setattr(threads, "host_cpus", lambda: 64)
+    proc = fake_proc(tmp_path / "proc", 3)  # 2 busy
+    cg = tmp_path / "none"
+    assert threads.choose(0, environ={}, proc=proc, cgroup=cg).threads == 4  # the host's load
+    (proc / "self" / "mounts").write_text(
+        "proc /proc proc rw 0 0\nlxcfs /proc/loadavg fuse.lxcfs rw 0 0\n"
+    )
+    assert threads.choose(0, environ={}, proc=proc, cgroup=cg).threads == 2
+
+
+def test_resuming_on_another_count_is_warned_about(tmp_path, monkeypatch):
+    monkeypatch.setattr(threads, "TORCH_DEFAULT", 2)
+    saved = tmp_path / "step-000002"
+    saved.mkdir()
+    (saved / "progress.json").write_text(json.dumps({"step": 2}))  # saved before the key
+    assert threads.saved_threads(saved) == 2  # what such a run trained on: torch's own
+    (saved / "progress.json").write_text(json.dumps({"step": 2, "cpu_threads": True}))
+    assert threads.saved_threads(saved) is None
+    (saved / "progress.json").write_text(json.dumps({"step": 2, "cpu_threads": 1}))
+    monkeypatch.setattr(threads, "apply", lambda choice: False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    with pytest.warns(UserWarning, match=r"resuming on 2 CPU thread\(s\), where .* saved on 1"):
+        assert threads.for_run(0, saved).reason == "environment"
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert threads.for_run(0, saved).threads == 1  # the same count: nothing to say
 
 
 def test_a_busy_job_on_this_machine_is_seen(keep_threads):
-    """A real busy process (one thread spinning) shows in the real /proc."""
+    """Real busy processes (a thread spinning each) show in the real /proc."""
     if not Path("/proc/loadavg").exists():
         pytest.skip("no /proc/loadavg on this system")
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         time.sleep(0.5)
-        assert threads.runnable_others() >= 1
+        # Both are runnable in every read, whatever else the machine runs.
+        assert threads.runnable_others() >= 2
     finally:
-        spin.kill()
-        spin.wait()
+        for spin in spinners:
+            spin.kill()
+            spin.wait()
 
 
 def test_negative_setting_is_refused():
@@ -156,7 +201,7 @@ def test_a_resume_keeps_the_count_it_was_saved_with(
     monkeypatch.delenv("OMP_NUM_THREADS")
     busy = {"n": CPUS - 1}
     monkeypatch.setattr(threads, "runnable_others", lambda proc=None: busy["n"])
-    monkeypatch.setattr(threads.os, "cpu_count", lambda: CPUS)
+    monkeypatch.setattr(threads, "host_cpus", lambda: CPUS)
 
     assert train(load_config(make_config("a.json", output_dir=str(tmp_path / "a")))).step == 4
     assert "CPU threads: 1 (" in capsys.readouterr().out

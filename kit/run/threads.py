@@ -11,7 +11,11 @@ or `cpu_threads` above 0, sets the count instead.
 
 The count is chosen once, before the cache is filled, and a resume takes the count its
 checkpoint was saved with: on the CPU the order of a parallel sum depends on the number of
-threads, so changing it mid-run changes the last bits of the weights.
+threads, so changing it mid-run changes the last bits of the weights. A resume on another
+count (set by the config or the environment, or fewer CPUs here) is warned about.
+
+In a notebook the count stays set after the run, for the cells that follow; the next run
+chooses again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,14 +56,17 @@ class ThreadChoice:
 
     def describe(self) -> str:
         """One console line, for a count other than torch's own default."""
-        how = {
-            "auto": f"{self.busy} of the {self.available} CPU(s) this process may use are busy "
-            "with other work",
+        return f"CPU threads: {self.threads} ({self.reason_text()}; cpu_threads sets the count)"
+
+    def reason_text(self) -> str:
+        """Why this count, in words."""
+        return {
+            "auto": f"{self.available} CPU(s) this process may use"
+            + (f", {self.busy} of them busy with other work" if self.busy else ""),
             "config": "cpu_threads in the config",
             "environment": "OMP_NUM_THREADS",
             "resumed": "the count the checkpoint was saved with, so the resumed steps are exact",
         }[self.reason]
-        return f"CPU threads: {self.threads} ({how}; cpu_threads sets the count)"
 
 
 def affinity_cpus() -> int:
@@ -147,6 +155,31 @@ def _own_running(proc: Path) -> int:
     return max(own, 1)
 
 
+def host_cpus() -> int:
+    """The CPUs of the whole machine, whose run queue /proc/loadavg counts."""
+    return os.cpu_count() or 1
+
+
+def loadavg_is_the_containers(proc: Path = PROC) -> bool:
+    """Whether /proc/loadavg counts this container's tasks only (LXCFS mounts its own view
+    there), rather than the whole machine's."""
+    try:
+        mounts = (proc / "self" / "mounts").read_text()
+    except OSError:
+        return False
+    return any("lxcfs" in line and " /proc/loadavg " in f" {line} " for line in mounts.splitlines())
+
+
+def env_threads(env: dict[str, str] | os._Environ) -> int | None:
+    """The count `OMP_NUM_THREADS` sets: its first entry (OpenMP allows a list, one count per
+    nesting level); the one torch read when it has no number there."""
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else TORCH_DEFAULT
+
+
 def choose(
     setting: int,
     resumed: int | None = None,
@@ -155,24 +188,29 @@ def choose(
     cgroup: Path = CGROUP,
 ) -> ThreadChoice:
     """The thread count for a run: `setting` above 0, else `OMP_NUM_THREADS`, else the count
-    `resumed` was saved with, else the CPUs this process may use less those busy with other
-    work (at least one)."""
+    `resumed` was saved with (at most the CPUs this process may use), else those CPUs less the
+    ones busy with other work (at least one)."""
     env = os.environ if environ is None else environ
     available = available_cpus(proc, cgroup)
     if setting > 0:
         return ThreadChoice(setting, available, 0, "config")
-    if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
-        return ThreadChoice(int(env["OMP_NUM_THREADS"]), available, 0, "environment")
+    from_env = env_threads(env)
+    if from_env is not None:
+        return ThreadChoice(from_env, available, 0, "environment")
     if resumed:
-        return ThreadChoice(resumed, available, 0, "resumed")
-    others = runnable_others(proc) or 0
-    # The host's other CPUs (outside the affinity or the quota) take the first of the others.
-    host = os.cpu_count() or available
-    busy = min(available - 1, max(0, others - (host - available)))
-    # Processes launched side by side on this machine share what is left.
+        return ThreadChoice(min(resumed, available), available, 0, "resumed")
     local = int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE", "").isdigit() else 1
-    count = min(TORCH_DEFAULT, available - busy) // max(local, 1)
-    return ThreadChoice(max(1, count), available, busy, "auto")
+    if local > 1:
+        # Processes launched side by side share the CPUs, each the same count; the machine's
+        # load is not read, as each process would count its siblings as other work.
+        count = min(TORCH_DEFAULT, available) // local
+        return ThreadChoice(max(1, count), available, 0, "auto")
+    others = runnable_others(proc) or 0
+    # The host's other CPUs (outside the affinity or the quota) take the first of the others,
+    # unless the load average counts this container alone.
+    outside = 0 if loadavg_is_the_containers(proc) else max(0, host_cpus() - available)
+    busy = min(available - 1, max(0, others - outside))
+    return ThreadChoice(min(TORCH_DEFAULT, available - busy), available, busy, "auto")
 
 
 def apply(choice: ThreadChoice) -> bool:
@@ -184,19 +222,31 @@ def apply(choice: ThreadChoice) -> bool:
 
 
 def saved_threads(checkpoint: Path | None) -> int | None:
-    """The thread count a checkpoint was saved with (None: none recorded)."""
+    """The thread count a checkpoint was saved with; torch's own for one saved before runs
+    recorded it (what those runs trained on); None without a checkpoint."""
     if checkpoint is None:
         return None
     try:
         progress = json.loads((checkpoint / PROGRESS_FILE).read_text())
     except (OSError, ValueError):
         return None
-    value = progress.get("cpu_threads")
-    return value if isinstance(value, int) and value > 0 else None
+    value = progress.get("cpu_threads", TORCH_DEFAULT)
+    ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if ok else None
 
 
 def for_run(setting: int, resume_from: Path | None) -> ThreadChoice:
     """Choose and set a run's thread count (see the module docstring); returns the choice,
-    whose `describe()` is worth printing when `changed` says torch's own count was replaced."""
-    choice = choose(setting, resumed=saved_threads(resume_from))
+    whose `describe()` is worth printing when `changed` says torch's own count was replaced.
+    A resume on another count than its checkpoint's (set by the config or the environment, or
+    capped by this machine's CPUs) is warned about: its steps will not be bit-exact."""
+    saved = saved_threads(resume_from)
+    choice = choose(setting, resumed=saved)
+    if saved and choice.threads != saved:
+        warnings.warn(
+            f"resuming on {choice.threads} CPU thread(s), where {resume_from} was saved on "
+            f"{saved} ({choice.reason_text()}): the resumed steps will not match the "
+            "uninterrupted run's bit for bit",
+            stacklevel=2,
+        )
     return replace(choice, changed=apply(choice))
