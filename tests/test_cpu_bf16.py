@@ -9,10 +9,12 @@ import torch
 from safetensors.torch import load_file
 
 from kit.config import load_config
+from kit.errors import KitError
 from kit.export.writer import export
 from kit.run import checkpoint as ckpt
+from kit.run.folder import RunDir
 from kit.train import train
-from kit.train.accel import resolve_precision
+from kit.train.accel import make_accelerator, resolve_precision
 from kit.train.loop import fit
 from kit.train.prepare import prepare
 
@@ -57,6 +59,30 @@ def test_a_bf16_run_on_the_cpu_trains_resumes_and_exports(tmp_path, make_config,
         result = export(tmp_path / "a", fmt)
         v = result.verification
         assert v.passed and v.max_abs_diff <= 2, (fmt, v)
-        assert any("training drew its images in bf16" in n for n in v.notes), v.notes
+        assert any("training ran in bf16" in n for n in v.notes), v.notes
         # Its references are the fp32 redraw, not the bf16 images training drew.
         assert all("-scales/" in f for f in v.files), v.files
+
+
+def test_a_bf16_config_that_trained_in_fp32_is_checked_against_its_own_images(
+    tmp_path, make_config, monkeypatch
+):
+    """Where the CPU lacks bf16 the run trains, and draws, in fp32: the check compares with the
+    images training drew, and says nothing of bf16."""
+    monkeypatch.setattr("kit.train.accel.cpu_bf16", lambda: False)
+    cfg = load_config(make_config(mixed_precision="bf16", max_train_steps=2))
+    with pytest.warns(UserWarning, match="training in fp32"):
+        train(cfg)
+    v = export(cfg.train.output_dir, "diffusers").verification
+    assert v.passed and v.notes == [], v
+    assert v.files and not any("-scales/" in f for f in v.files), v.files
+
+
+@pytest.mark.parametrize("launch", ["ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"])
+def test_bf16_on_cpus_under_fsdp_or_deepspeed_is_refused(
+    tmp_path, make_config, bf16_cpu, monkeypatch, launch
+):
+    monkeypatch.setenv(launch, "true")
+    cfg = load_config(make_config(mixed_precision="bf16"))
+    with pytest.raises(KitError, match="mixed_precision: bf16 on CPUs under (FSDP|DeepSpeed)"):
+        make_accelerator(cfg, RunDir(tmp_path / "run"))

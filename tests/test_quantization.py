@@ -136,7 +136,7 @@ def test_the_export_loads_on_the_unquantized_base_and_verifies(int8_run):
     # The references are the kit's redraw on the unquantized base, not the images training
     # drew on the int8 one, and the record says so.
     assert all("-scales/" in f for f in v.files)
-    assert any("on the base stored int8" in n and "differ" in n for n in v.notes)
+    assert any("training ran on the base stored int8" in n and "differ" in n for n in v.notes)
     record = json.loads(result.path.with_suffix(".verify.json").read_text())
     assert record["notes"] == v.notes
     exported = load_file(str(result.path))

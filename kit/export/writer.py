@@ -219,20 +219,20 @@ def _references(
     """The images an export must reproduce, and what to say about them.
 
     Those training drew at `step`, else the kit's own redraw of that checkpoint. A client loads
-    the export on the full-precision base and draws in fp32, as this check does. A run that drew
-    its validation images otherwise, on a quantized base (`base_quantization`) or in half
-    precision (`mixed_precision`: a bf16 image differs from the fp32 one by more than the
-    tolerance), is compared with the kit's own fp32 redraw of the checkpoint, and the note says
-    how far the images training drew are from it.
+    the export on the full-precision base and draws in fp32, as this check does. A run that
+    trained otherwise, on a quantized base (`base_quantization`) or in half precision (a bf16
+    image differs from the fp32 one by more than the tolerance), is compared with the kit's own
+    fp32 redraw of the checkpoint, and the note says how far the images training drew are
+    from it.
     """
     trained = reference_images(run, step)
-    drawn = _drawn_as(cfg)
-    if drawn is None:
+    ran = _trained_as(cfg, ckpt.checkpoint_dir(run.root, step))
+    if ran is None:
         return trained or _draw_references(run, step), []
     redrawn = _draw_references(run, step)
     note = (
-        f"training drew its images {drawn}: compared with the kit's fp32 images of this "
-        "checkpoint on the full-precision base, which clients load the export on"
+        f"training ran {ran}: compared with the kit's fp32 images of this checkpoint on the "
+        "full-precision base, which clients load the export on"
     )
     by_name = {png.name: png for _, png in trained}
     pairs = [(by_name[png.name], png) for _, png in redrawn if png.name in by_name]
@@ -242,14 +242,21 @@ def _references(
     return redrawn, [note]
 
 
-def _drawn_as(cfg: Config) -> str | None:
-    """How training drew its validation images, where that is not as a client draws: in fp32
-    on the full-precision base (None)."""
+def _trained_as(cfg: Config, checkpoint: Path) -> str | None:
+    """How training ran where that is not as a client draws (in fp32 on the full-precision
+    base); None where it is. The precision is the one the checkpoint says was used (a bf16
+    config on hardware without bf16 trains in fp32), else, for older checkpoints, the
+    config's."""
+    try:
+        progress = json.loads((checkpoint / ckpt.PROGRESS_FILE).read_text())
+    except (OSError, ValueError):
+        progress = {}
+    precision = progress.get("precision", cfg.train.mixed_precision)
     how = []
     if cfg.model.base_quantization != "none":
         how.append(f"on the base stored {cfg.model.base_quantization}")
-    if cfg.train.mixed_precision != "no":
-        how.append(f"in {cfg.train.mixed_precision}")
+    if precision not in ("no", "fp32"):
+        how.append(f"in {precision}")
     return " and ".join(how) or None
 
 

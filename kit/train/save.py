@@ -71,6 +71,7 @@ def write_checkpoint(
         "epoch": epoch,
         "position": position,
         "cpu_threads": torch.get_num_threads(),  # a resume keeps it (kit.run.threads)
+        "precision": s.precision,  # used, not asked for: the export check reads it
         **fingerprint(s.cfg, s.data),
     }
     extras: dict[str, Any] = {}
