@@ -234,3 +234,12 @@ def test_loha_module_dropout_on_two_processes_matches_one_with_accumulation(
     b = load_file(str(ckpt.checkpoint_dir(tmp_path / "one", 3) / ckpt.ADAPTER_FILE))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+
+
+def test_nan_message_on_a_cpu_advises_bf16_only_where_the_cpu_has_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for has_bf16, advice in ((False, "fp32 (mixed_precision no)"), (True, "bf16")):
+        monkeypatch.setattr("kit.train.step.cpu_bf16", lambda v=has_bf16: v)
+        with pytest.raises(KitError) as e:
+            guard_finite(float("nan"), None, 3, "fp16", 512.0, None)
+        assert f"{advice} instead of fp16" in str(e.value)

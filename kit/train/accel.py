@@ -140,6 +140,13 @@ def make_accelerator(
         handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
     on_cpu = not torch.cuda.is_available()
     deepspeed = deepspeed_launch()
+    if on_cpu and precision == "bf16" and (deepspeed or fsdp_launch()):
+        how = "DeepSpeed" if deepspeed else "FSDP"
+        raise KitError(
+            f"mixed_precision: bf16 on CPUs under {how} is not supported by the kit (it runs "
+            f"{how} on CPUs in fp32 only, to test launches); set mixed_precision: no, or train "
+            "on GPUs"
+        )
     if on_cpu and deepspeed:
         # accelerate drops DeepSpeed when told `cpu=True`; without it, it must be told that the
         # processes talk over gloo, or each one takes itself for the only process.

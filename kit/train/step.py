@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kit.errors import ConfigError, KitError
+from kit.run.env import cpu_bf16
 from kit.train.objective import denoising_loss, drop_captions
 from kit.train.state import TrainState
 
@@ -122,8 +123,9 @@ def _precision_fix(precision: str) -> str:
     """The precision to try instead of fp16, on this machine ('' when not in fp16)."""
     if precision != "fp16":
         return ""
-    # bf16 has fp32's range, but only a GPU that has it can train in it.
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    # bf16 has fp32's range: a GPU that has it trains in it, and so does a CPU that has it.
+    gpu = torch.cuda.is_available()
+    if torch.cuda.is_bf16_supported() if gpu else cpu_bf16():
         return "bf16 instead of fp16, "
     return "fp32 (mixed_precision no) instead of fp16, "
 
