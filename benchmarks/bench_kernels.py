@@ -50,22 +50,6 @@ ATTENTION_SHAPES = (
 BACKENDS = ("MATH", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 
 
-def timer(device: str, repeats: int, fn: Callable[[], None]) -> float:
-    """The median seconds of `fn` over `repeats` calls, after one call that warms it up."""
-    import torch
-
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def attention_rows(device: str, dtype: Any, repeats: int) -> list[dict[str, Any]]:
     """Forward and backward of each shape with torch's choice and with each backend forced."""
     rows = []
@@ -94,18 +78,50 @@ def attention_row(shape: tuple, device: str, dtype: Any, repeats: int) -> dict[s
         q.grad = k.grad = v.grad = None
         F.scaled_dot_product_attention(q, k, v).backward(grad)
 
-    row: dict[str, Any] = {"shape": name, "default": timer(device, repeats, step)}
+    def forced(kind: Any) -> Callable[[], None]:
+        def run() -> None:
+            with sdpa_kernel([kind]):
+                step()
+
+        return run
+
+    # Each backend once (a warm-up, and whether it has a kernel here), then the timed calls
+    # of all of them alternating, so that the machine's drift falls on all alike.
+    runs: dict[str, Callable[[], None]] = {"default": step}
+    row: dict[str, Any] = {"shape": name}
     for backend in BACKENDS:
         kind = getattr(SDPBackend, backend, None)
         if kind is None:
             row[backend] = "not in this torch"
             continue
         try:
-            with sdpa_kernel([kind]):
-                row[backend] = timer(device, repeats, step)
+            forced(kind)()
         except RuntimeError:  # no kernel of this backend for the device, dtype or shape
             row[backend] = "none here"
+            continue
+        runs[backend] = forced(kind)
+    step()
+    times = alternating(device, repeats, runs)
+    row.update({k: statistics.median(v) for k, v in times.items()})
     return row
+
+
+def alternating(
+    device: str, repeats: int, runs: dict[str, Callable[[], None]]
+) -> dict[str, list[float]]:
+    """Seconds of each of `runs`, called in turn `repeats` times (A B C A B C …)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for key, fn in runs.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[key].append(time.perf_counter() - start)
+    return times
 
 
 def attention_table(rows: list[dict[str, Any]]) -> str:
@@ -128,7 +144,6 @@ def unet_rows(device: str, dtype: Any, px: int, repeats: int, compile_: bool) ->
     in `dtype`, the LoRA weights in fp32, autocast to `dtype` for half types). The variants'
     steps alternate, A B A B, so that a machine's drift (clock, neighbours) falls on all of
     them alike: measured one after the other, a 3% difference once read as 21%."""
-    import torch
 
     variants = ["default", "channels_last"] + (["compile"] if compile_ else [])
     steps, rows = {}, {}
@@ -137,14 +152,8 @@ def unet_rows(device: str, dtype: Any, px: int, repeats: int, compile_: bool) ->
         steps[variant] = unet_step(variant, device, dtype, px)
         steps[variant]()
         rows[variant] = {"variant": variant, "first": time.perf_counter() - start, "times": []}
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(repeats):
-        for variant in variants:
-            sync()
-            start = time.perf_counter()
-            steps[variant]()
-            sync()
-            rows[variant]["times"].append(time.perf_counter() - start)
+    for variant, times in alternating(device, repeats, steps).items():
+        rows[variant]["times"] = times
     out = []
     for variant in variants:
         row = rows[variant]
