@@ -162,7 +162,11 @@ def test_resuming_on_another_count_is_warned_about(tmp_path, monkeypatch):
     (saved / "progress.json").write_text(json.dumps({"step": 2, "cpu_threads": 1}))
     monkeypatch.setattr(threads, "apply", lambda choice: False)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    with pytest.warns(UserWarning, match=r"resuming on 2 CPU thread\(s\), where .* saved on 1"):
+    with pytest.warns(
+        UserWarning,
+        match=r"resuming on 2 CPU thread\(s\) \(OMP_NUM_THREADS\), "
+        r"where checkpoint step-000002 was saved on 1",
+    ):
         assert threads.for_run(0, saved).reason == "environment"
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with warnings.catch_warnings():

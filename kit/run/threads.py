@@ -244,9 +244,9 @@ def for_run(setting: int, resume_from: Path | None) -> ThreadChoice:
     choice = choose(setting, resumed=saved)
     if saved and choice.threads != saved:
         warnings.warn(
-            f"resuming on {choice.threads} CPU thread(s), where {resume_from} was saved on "
-            f"{saved} ({choice.reason_text()}): the resumed steps will not match the "
-            "uninterrupted run's bit for bit",
+            f"resuming on {choice.threads} CPU thread(s) ({choice.reason_text()}), where "
+            f"checkpoint {resume_from.name} was saved on {saved}: the resumed steps will not "
+            "match the uninterrupted run's bit for bit",
             stacklevel=2,
         )
     return replace(choice, changed=apply(choice))
