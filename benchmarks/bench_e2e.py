@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_step import square_pixels  # this folder's: the example scripts' transforms
 
 from kit.logs import quiet_libraries
 
@@ -89,7 +90,6 @@ def plain_run(base: Path, out: Path, steps: int, resolution: int) -> dict[str, A
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
-    from PIL import Image
     from transformers import CLIPTextModel, CLIPTokenizer
 
     start = time.perf_counter()
@@ -116,15 +116,7 @@ def plain_run(base: Path, out: Path, steps: int, resolution: int) -> dict[str, A
     captions = [f.with_suffix(".txt").read_text().strip() for f in files]
 
     def load(i: int) -> dict[str, torch.Tensor]:
-        # Resize the short side, centre-crop a square, scale to [-1, 1]: the usual transforms.
-        with Image.open(files[i]) as im:
-            im = im.convert("RGB")
-            scale = resolution / min(im.size)
-            im = im.resize((round(im.width * scale), round(im.height * scale)), Image.BILINEAR)
-            left, top = (im.width - resolution) // 2, (im.height - resolution) // 2
-            im = im.crop((left, top, left + resolution, top + resolution))
-            pixels = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-        pixels = pixels.view(resolution, resolution, 3).permute(2, 0, 1).float() / 127.5 - 1
+        pixels = square_pixels(files[i], resolution)[0]  # the usual transforms
         ids = tokenizer(
             captions[i],
             padding="max_length",

@@ -137,6 +137,27 @@ def kit_times(out: Path) -> list[float]:
     return [r["time"] for r in rows if "time" in r]
 
 
+def square_pixels(file: Path, res: int, random_crop: bool = False) -> tuple[Any, tuple, tuple]:
+    """What the example scripts' transforms make of one image: the short side resized to
+    `res`, a `res`² crop (centred, or at random as the SDXL script's default), scaled to
+    [-1, 1], channels first; with the original (height, width) and the crop's (top, left)."""
+    import torch
+    from PIL import Image
+
+    with Image.open(file) as im:
+        im = im.convert("RGB")
+        original = (im.height, im.width)
+        scale = res / min(im.size)
+        im = im.resize((round(im.width * scale), round(im.height * scale)), Image.BILINEAR)
+        if random_crop:
+            top, left = random.randint(0, im.height - res), random.randint(0, im.width - res)
+        else:
+            top, left = (im.height - res) // 2, (im.width - res) // 2
+        im = im.crop((left, top, left + res, top + res))
+        raw = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+    return raw.view(res, res, 3).permute(2, 0, 1).float() / 127.5 - 1, original, (top, left)
+
+
 def script_run(
     base: Path, images: Path, out: Path, job: str, precision: str = "no"
 ) -> dict[str, Any]:
@@ -157,7 +178,6 @@ def script_run(
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
-    from PIL import Image
     from transformers import CLIPTextModel, CLIPTokenizer
 
     spec = JOBS[job]
@@ -188,15 +208,7 @@ def script_run(
     captions = [f.with_suffix(".txt").read_text().strip() for f in files]
 
     def example(i: int) -> dict[str, torch.Tensor]:
-        # Resize the short side, centre-crop, to [-1, 1]: the script's torchvision transforms.
-        with Image.open(files[i]) as im:
-            im = im.convert("RGB")
-            scale = res / min(im.size)
-            im = im.resize((round(im.width * scale), round(im.height * scale)), Image.BILINEAR)
-            left, top = (im.width - res) // 2, (im.height - res) // 2
-            im = im.crop((left, top, left + res, top + res))
-            raw = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-        pixels = raw.view(res, res, 3).permute(2, 0, 1).float() / 127.5 - 1
+        pixels = square_pixels(files[i], res)[0]  # the script's torchvision transforms
         ids = tokenizer(
             captions[i],
             max_length=tokenizer.model_max_length,
@@ -581,7 +593,6 @@ def sdxl_script_run(base: Path, images: Path, out: Path, spec: dict[str, Any]) -
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
-    from PIL import Image
     from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection
 
     res, batch, steps = spec["resolution"], spec["batch"], spec["steps"]
@@ -625,14 +636,7 @@ def sdxl_script_run(base: Path, images: Path, out: Path, spec: dict[str, Any]) -
     captions = [f.with_suffix(".txt").read_text().strip() for f in files]
 
     def example(i: int) -> dict[str, Any]:
-        with Image.open(files[i]) as im:
-            im = im.convert("RGB")
-            original = (im.height, im.width)
-            scale = res / min(im.size)
-            im = im.resize((round(im.width * scale), round(im.height * scale)), Image.BILINEAR)
-            top, left = random.randint(0, im.height - res), random.randint(0, im.width - res)
-            im = im.crop((left, top, left + res, top + res))
-            raw = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+        pixels, original, (top, left) = square_pixels(files[i], res, random_crop=True)
         ids = [
             tok(
                 captions[i],
@@ -644,7 +648,7 @@ def sdxl_script_run(base: Path, images: Path, out: Path, spec: dict[str, Any]) -
             for tok in tokenizers
         ]
         return {
-            "pixel_values": raw.view(res, res, 3).permute(2, 0, 1).float() / 127.5 - 1,
+            "pixel_values": pixels,
             "ids": ids,
             "time_ids": [*original, top, left, res, res],
         }
@@ -951,7 +955,7 @@ def profile(steps: int = 6) -> None:
     """The kit's step on the tiny job under torch.profiler: the operators that cost most."""
     import torch
 
-    from kit.config import from_dict
+    from kit.config import load_config
     from kit.data.buckets import epoch_batches
     from kit.logs import quiet_libraries
     from kit.train.prepare import prepare
@@ -962,20 +966,7 @@ def profile(steps: int = 6) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         base, images = write_inputs(tmp, "tiny")
-        cfg = from_dict(
-            {
-                "model_family": "sd15",
-                "pretrained_model": str(base),
-                "image_dir": str(images),
-                "cache_dir": str(tmp / "cache"),
-                "output_dir": str(tmp / "run"),
-                "resolution": spec["resolution"],
-                "bucket_step": 32,
-                "lora_rank": spec["rank"],
-                "train_batch_size": spec["batch"],
-                "report_to": "none",
-            }
-        )
+        cfg = load_config(kit_config(base, images, tmp, spec, bucket_step=32))
         s = prepare(cfg)
         batches = epoch_batches(s.data.plan, spec["batch"], SEED, 0)
         micro_step(s, batches[0], 0)
