@@ -3,9 +3,9 @@
 Measured in one run, reported as ratios:
 
 1. training: `kit.train.loop.train` on a fixed tiny config (tiny SD1.5, the example's 24 images,
-   LoRA) against a plain loop in the style of the common text-to-image LoRA example scripts,
-   written here: the same model and data, a DataLoader that decodes images, and the VAE and text
-   encoder run on every batch. Steady-state steps/s (after warm-up steps) and end-to-end seconds
+   LoRA) against bench_step.py's stand-in for diffusers' text-to-image LoRA example script, in
+   this process: the same model and data, a DataLoader that decodes images, and the VAE and
+   text encoder run on every batch. Steady-state steps/s (after warm-up steps) and end-to-end seconds
    (load, data, training, saving the LoRA, one small validation image), the kit with a cold
    and with a warm latent cache;
 2. the estimator: `kit.preflight.estimate.estimate` of the shipped SDXL architecture at 1024 px, the first
@@ -24,17 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from bench_step import square_pixels  # this folder's: the example scripts' transforms
+from bench_step import kit_config, script_run  # this folder's: the same job, both sides
 
 from kit.logs import quiet_libraries
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGES = ROOT / "datasets_example" / "images"
-PROMPT = "a large zorbic circle on a white background, in the center"
 
-# The fixed setting both loops share.
-BATCH, RANK, LR, SEED, SAMPLE_STEPS = 2, 4, 1e-4, 0, 2
+# The fixed setting both sides share (learning rate, seed and sampling: bench_step.py's).
+BATCH, RANK = 2, 4
 
 
 def _steady(times: list[float], warmup: int) -> float:
@@ -42,146 +40,33 @@ def _steady(times: list[float], warmup: int) -> float:
     return (len(times) - warmup) / (times[-1] - times[warmup - 1])
 
 
+def job(steps: int, resolution: int) -> dict[str, Any]:
+    """The fixed job both sides run, in bench_step.py's form."""
+    return {"resolution": resolution, "batch": BATCH, "rank": RANK, "steps": steps}
+
+
 def kit_run(base: Path, out: Path, cache: Path, steps: int, resolution: int) -> dict[str, Any]:
     """`kit.train.loop.train` on the fixed config: end-to-end seconds and per-step times."""
-    from kit.config import from_dict
+    from kit.config import load_config
     from kit.run.folder import RunDir
     from kit.train.loop import train
 
-    cfg = from_dict(
-        {
-            "model_family": "sd15",
-            "pretrained_model": str(base),
-            "image_dir": str(IMAGES),
-            "cache_dir": str(cache),
-            "output_dir": str(out),
-            "resolution": resolution,
-            "bucket_step": 32,
-            "lora_rank": RANK,
-            "lora_alpha": RANK,
-            "learning_rate": LR,
-            "lr_scheduler": "constant",
-            "train_batch_size": BATCH,
-            "max_train_steps": steps,
-            "checkpointing_steps": 0,
-            "validation_prompt": [PROMPT],
-            "validation_seeds": [SEED],
-            "validation_num_inference_steps": SAMPLE_STEPS,
-            "report_to": "none",
-            "seed": SEED,
-        }
-    )
+    # The run and its config beside each other; the cache shared between runs.
+    path = kit_config(base, IMAGES, out, job(steps, resolution), bucket_step=32)
+    cfg = load_config(path).replace(cache_dir=str(cache))
     start = time.perf_counter()
     train(cfg)
     total = time.perf_counter() - start
-    times = [r["time"] for r in RunDir(out).read_metrics()]
+    times = [r["time"] for r in RunDir(Path(cfg.train.output_dir)).read_metrics()]
     return {"seconds": total, "times": times}
 
 
 def plain_run(base: Path, out: Path, steps: int, resolution: int) -> dict[str, Any]:
-    """A plain loop that encodes images and captions on every step, as example scripts do."""
-    import torch.nn.functional as F
-    from diffusers import (
-        AutoencoderKL,
-        DDPMScheduler,
-        StableDiffusionPipeline,
-        UNet2DConditionModel,
-    )
-    from diffusers.utils import convert_state_dict_to_diffusers
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
-    from transformers import CLIPTextModel, CLIPTokenizer
-
+    """bench_step.py's stand-in for diffusers' LoRA example, which encodes images and captions
+    on every step, in this process: end-to-end seconds (loading included) and step times."""
+    out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    torch.manual_seed(SEED)
-    tokenizer = CLIPTokenizer.from_pretrained(base, subfolder="tokenizer")
-    text_encoder = CLIPTextModel.from_pretrained(base, subfolder="text_encoder")
-    vae = AutoencoderKL.from_pretrained(base, subfolder="vae")
-    unet = UNet2DConditionModel.from_pretrained(base, subfolder="unet")
-    noise_scheduler = DDPMScheduler.from_pretrained(base, subfolder="scheduler")
-    for m in (text_encoder, vae, unet):
-        m.requires_grad_(False)
-    unet.add_adapter(
-        LoraConfig(
-            r=RANK,
-            lora_alpha=RANK,
-            init_lora_weights="gaussian",
-            target_modules=["to_k", "to_q", "to_v", "to_out.0"],
-        )
-    )
-    params = [p for p in unet.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR)
-
-    files = sorted(IMAGES.glob("*.png"))
-    captions = [f.with_suffix(".txt").read_text().strip() for f in files]
-
-    def load(i: int) -> dict[str, torch.Tensor]:
-        pixels = square_pixels(files[i], resolution)[0]  # the usual transforms
-        ids = tokenizer(
-            captions[i],
-            padding="max_length",
-            max_length=tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids[0]
-        return {"pixels": pixels, "ids": ids}
-
-    loader = torch.utils.data.DataLoader(
-        list(range(len(files))),
-        batch_size=BATCH,
-        shuffle=True,
-        drop_last=True,
-        collate_fn=lambda idx: {
-            k: torch.stack([s[k] for s in map(load, idx)]) for k in ("pixels", "ids")
-        },
-        generator=torch.Generator().manual_seed(SEED),
-    )
-    unet.train()
-    times, step, loop_start = [], 0, time.perf_counter()
-    while step < steps:
-        for batch in loader:
-            latents = vae.encode(batch["pixels"]).latent_dist.sample()
-            latents = latents * vae.config.scaling_factor
-            noise = torch.randn_like(latents)
-            t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (BATCH,))
-            noisy = noise_scheduler.add_noise(latents, noise, t)
-            hidden = text_encoder(batch["ids"], return_dict=False)[0]
-            if noise_scheduler.config.prediction_type == "v_prediction":
-                target = noise_scheduler.get_velocity(latents, noise, t)
-            else:
-                target = noise
-            pred = unet(noisy, t, hidden, return_dict=False)[0]
-            loss = F.mse_loss(pred.float(), target.float())
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            times.append(time.perf_counter() - loop_start)
-            if step == steps:
-                break
-
-    lora = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
-    StableDiffusionPipeline.save_lora_weights(out, unet_lora_layers=lora)
-    unet.eval()
-    pipe = StableDiffusionPipeline.from_pretrained(
-        base,
-        unet=unet,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        safety_checker=None,
-        requires_safety_checker=False,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    with torch.no_grad():
-        pipe(
-            PROMPT,
-            num_inference_steps=SAMPLE_STEPS,
-            height=resolution,
-            width=resolution,
-            generator=torch.Generator().manual_seed(SEED),
-        )
+    times = script_run(base, IMAGES, out, job(steps, resolution))["times"]
     return {"seconds": time.perf_counter() - start, "times": times}
 
 

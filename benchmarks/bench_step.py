@@ -159,9 +159,10 @@ def square_pixels(file: Path, res: int, random_crop: bool = False) -> tuple[Any,
 
 
 def script_run(
-    base: Path, images: Path, out: Path, job: str, precision: str = "no"
+    base: Path, images: Path, out: Path, spec: dict[str, Any], precision: str = "no"
 ) -> dict[str, Any]:
-    """The stand-in for diffusers' train_text_to_image_lora.py (see the module docstring).
+    """The stand-in for diffusers' train_text_to_image_lora.py (see the module docstring) on
+    a job (`resolution`, `batch`, `rank`, `steps`: `JOBS[...]`, or bench_e2e.py's).
     `precision` bf16 does what the script does under `--mixed_precision bf16`: the UNet, VAE
     and text encoder in bf16 (the LoRA weights too: the script upcasts them for fp16 only),
     accelerate's autocast, the images cast to bf16 for the VAE, the sample in bf16."""
@@ -180,7 +181,6 @@ def script_run(
     from peft.utils import get_peft_model_state_dict
     from transformers import CLIPTextModel, CLIPTokenizer
 
-    spec = JOBS[job]
     res, batch, rank, steps = spec["resolution"], spec["batch"], spec["rank"], spec["steps"]
     accelerator = Accelerator(mixed_precision=precision)
     weight_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -295,7 +295,7 @@ def one(side: str, base: Path, images: Path, out: Path, job: str, precision: str
 
     quiet_libraries()
     out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(script_run(base, images, out, job, precision)))
+    print(json.dumps(script_run(base, images, out, JOBS[job], precision)))
 
 
 def spawn(

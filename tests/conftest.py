@@ -209,3 +209,17 @@ def cpu_fp16(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("these tests run the CPU fp16 path")
     monkeypatch.setenv(CPU_FP16_ENV, "1")
+
+
+@pytest.fixture(scope="module")
+def module_trace_cache(tmp_path_factory):
+    """No network, and one VRAM-trace cache for the module that asks for it, so that each
+    architecture and shape is traced once there (a module's autouse fixture takes it)."""
+    from kit.preflight import estimate as estimating
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("KIT_VRAM_CACHE", str(tmp_path_factory.mktemp("vram")))
+        estimating.forget_traces()
+        yield
+    estimating.forget_traces()

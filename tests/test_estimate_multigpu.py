@@ -14,7 +14,6 @@ import torch
 from kit.cli import main
 from kit.config import Config, load_config
 from kit.errors import ConfigError, KitError
-from kit.preflight import estimate as estimating
 from kit.preflight.advice import advise
 from kit.preflight.estimate import GIB, GPUS, estimate
 from kit.preflight.plan import plan
@@ -30,15 +29,8 @@ FLUX_FULL = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def trace_cache(tmp_path_factory):
-    """No network; one trace cache for the module, so each Flux shape is traced once."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("KIT_VRAM_CACHE", str(tmp_path_factory.mktemp("vram")))
-        estimating.forget_traces()
-        yield
-    estimating.forget_traces()
+# Offline, and each Flux shape traced once for the module.
+pytestmark = pytest.mark.usefixtures("module_trace_cache")
 
 
 def _tiny(path, **changes) -> Config:

@@ -16,7 +16,6 @@ from kit.families import get_family
 from kit.families import quantize as quant
 from kit.families.shipped import config_source
 from kit.methods import get_method
-from kit.preflight import estimate as estimating
 from kit.preflight.advice import advise, fit_table, markdown_table, options
 from kit.preflight.estimate import GIB, GPUS, bucket_size, cached_trace, estimate
 from kit.preflight.trace import Shape
@@ -44,15 +43,8 @@ README_VARIANTS = [
 """The rows of the README's Flux.1 dev table, applied to `FLUX_DEV`."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def trace_cache(tmp_path_factory):
-    """No network; one trace cache for the module, so each Flux shape is traced once."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setenv("KIT_VRAM_CACHE", str(tmp_path_factory.mktemp("vram")))
-        estimating.forget_traces()
-        yield
-    estimating.forget_traces()
+# Offline, and each Flux shape traced once for the module.
+pytestmark = pytest.mark.usefixtures("module_trace_cache")
 
 
 def _write(path: Path, **fields) -> Path:
