@@ -13,22 +13,13 @@ import torch.nn.functional as F
 from kit.cli import main
 from kit.config import Config
 from kit.families import get_family
-from kit.families.shipped import SHIPPED, config_source
+from kit.families.shipped import ARCHITECTURES, SHIPPED, config_source
 from kit.preflight import estimate as estimating
 from kit.preflight import trace as tracing
 from kit.preflight.advice import advise
 from kit.preflight.estimate import GIB, GPUS, estimate
 from kit.preflight.measure import real_step
 from kit.preflight.trace import Shape
-
-# Shipped model → (family, denoiser parameters in billions, low, high): the published sizes.
-SHIPPED_MODELS = {
-    "stable-diffusion-v1-5/stable-diffusion-v1-5": ("sd15", 0.85, 0.87),
-    "stabilityai/stable-diffusion-xl-base-1.0": ("sdxl", 2.56, 2.58),
-    "stabilityai/stable-diffusion-3.5-medium": ("sd3", 2.2, 2.6),
-    "black-forest-labs/FLUX.1-dev": ("flux", 11.8, 12.0),
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ("wan", 1.3, 1.5),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -49,14 +40,16 @@ def _cfg(pretrained: str, family: str, resolution: int = 512, **train) -> Config
     return cfg
 
 
-@pytest.mark.parametrize("hub_id", list(SHIPPED_MODELS))
-def test_shipped_configs_build_the_real_architecture_offline(hub_id):
-    family, low, high = SHIPPED_MODELS[hub_id]
-    source = config_source(hub_id)
-    assert source.endswith(SHIPPED[hub_id])
-    parts = get_family(family).empty_parts(source)
+@pytest.mark.parametrize("folder", list(ARCHITECTURES))
+def test_shipped_configs_build_the_real_architecture_offline(folder):
+    """Each shipped architecture builds offline to its published denoiser size."""
+    arch = ARCHITECTURES[folder]
+    source = config_source(arch.hub_id)
+    assert source.endswith(SHIPPED[arch.hub_id]) and SHIPPED[arch.hub_id] == folder
+    parts = get_family(arch.family).empty_parts(source)
     billions = sum(p.numel() for p in parts["denoiser"].parameters()) / 1e9
-    assert low <= billions <= high
+    low, high = arch.denoiser_billions
+    assert low <= billions <= high, (folder, billions)
     assert all(p.device.type == "meta" for m in parts.values() for p in m.parameters())
 
 

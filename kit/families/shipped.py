@@ -2,30 +2,63 @@
 
 With these, the estimator, the network preview and the tests build real architectures (on the
 meta device or with random weights) without any download.
+
+Each folder of `MODEL_CONFIGS` is one architecture in diffusers layout (configs, no weights)
+with a `shipped.json` beside its `model_index.json`: its title, its family, the hub ids and
+short names that select it, and its denoiser's published size in billions of parameters. A new
+architecture is a new folder; nothing here names one.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 MODEL_CONFIGS = Path(__file__).parent / "model_configs"
 """One diffusers-layout folder of configs (no weights) per shipped architecture."""
 
-SHIPPED = {
-    "stable-diffusion-v1-5/stable-diffusion-v1-5": "sd15",
-    # Removed from the hub in 2024; older configs still name it, and its architecture is this.
-    "runwayml/stable-diffusion-v1-5": "sd15",
-    "stabilityai/stable-diffusion-xl-base-1.0": "sdxl",
-    "stabilityai/stable-diffusion-3.5-medium": "sd35m",
-    "black-forest-labs/FLUX.1-dev": "flux-dev",
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan21-1.3b",
-    "sd15": "sd15",
-    "sdxl": "sdxl",
-    "sd35m": "sd35m",
-    "sd3.5-medium": "sd35m",
-    "flux-dev": "flux-dev",
-    "wan21-1.3b": "wan21-1.3b",
-    "wan2.1-1.3b": "wan21-1.3b",
+
+@dataclass(frozen=True)
+class Shipped:
+    """One shipped architecture, as its `shipped.json` describes it."""
+
+    folder: str
+    """Its folder under `MODEL_CONFIGS`."""
+    title: str
+    """The released model's name, for tables and notebooks."""
+    family: str
+    """The `model_family` that trains it."""
+    names: tuple[str, ...]
+    """Hub ids and short names that select it (the first is the hub id)."""
+    denoiser_billions: tuple[float, float]
+    """The published denoiser size, low and high, in billions of parameters."""
+
+    @property
+    def hub_id(self) -> str:
+        """The hub repository of the released model."""
+        return self.names[0]
+
+
+def _read() -> dict[str, Shipped]:
+    found = {}
+    for path in sorted(MODEL_CONFIGS.glob("*/shipped.json")):
+        meta = json.loads(path.read_text(encoding="utf-8"))
+        found[path.parent.name] = Shipped(
+            folder=path.parent.name,
+            title=meta["title"],
+            family=meta["family"],
+            names=tuple(meta["names"]),
+            denoiser_billions=tuple(meta["denoiser_billions"]),
+        )
+    return found
+
+
+ARCHITECTURES: dict[str, Shipped] = _read()
+"""Folder name → the shipped architecture."""
+
+SHIPPED: dict[str, str] = {
+    name: folder for folder, arch in ARCHITECTURES.items() for name in (*arch.names, folder)
 }
 """Hub id or short name → folder of `MODEL_CONFIGS`."""
 
