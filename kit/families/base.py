@@ -168,6 +168,9 @@ class Family(ABC):
     default_guidance_scale: float = 7.5
     """Validation guidance when the config sets none: what the family's diffusers pipeline
     draws with by default (for guidance-distilled models, the distilled guidance input)."""
+    variants: tuple[str, ...] = ()
+    """The released models this family trains, as `kit families` lists them (e.g. "dev",
+    "klein 4B"); which one a base is, is read from its configs (`variant_of`)."""
 
     def __init__(self, cfg: Config | None = None) -> None:
         self.cfg = cfg if cfg is not None else Config()
@@ -189,6 +192,20 @@ class Family(ABC):
             "modelspec.architecture": self.modelspec_architecture,
             "modelspec.implementation": self.modelspec_implementation,
         }
+
+    def variant_of(self, pretrained: str) -> str:
+        """Which of `variants` the base `pretrained` is, read from its configs without loading
+        weights; "" for a family with one variant."""
+        return ""
+
+    def distillation(self, pretrained: str) -> str:
+        """Why the base `pretrained` is step-distilled (trained to sample in a few steps without
+        CFG), as a sentence naming the variant; "" for a base that is not.
+
+        A LoRA trained straight on such a base comes out weak or grainy: the kit says so before
+        training, and merges a `training_adapter` into the base while it trains.
+        """
+        return ""
 
     def frame_count(self, available: int) -> int:
         """The most frames (≤ available) a clip of this family may have; video families override."""
