@@ -565,8 +565,9 @@ class ValidationConfig:
     """Negative prompt for every validation image."""
     validation_seeds: list[int] = field(default_factory=lambda: [0, 1])
     """One image per seed and prompt; the grid has a column per seed."""
-    validation_num_inference_steps: int = 25
-    """Sampler steps per validation image."""
+    validation_num_inference_steps: int = 0
+    """Sampler steps per validation image; 0 takes the family's default (25; fewer for a
+    step-distilled base, as its pipeline draws)."""
     validation_guidance_scale: float | None = None
     """Classifier-free guidance scale (Flux dev: its distilled guidance); empty takes the family's
     default, what its diffusers pipeline draws with: sd15 7.5, sdxl 5, sd3 7, wan 5, flux 3.5.

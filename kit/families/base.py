@@ -17,7 +17,7 @@ from torch import nn
 
 from kit.config import Config
 from kit.errors import KitError
-from kit.families.adapter_keys import lora_keys
+from kit.families.exports import FamilyExports
 from kit.families.identity import (
     DtypeSpec,
     PartSource,
@@ -30,7 +30,7 @@ from kit.families.identity import (
 )
 from kit.families.ldm import unet_module_names
 from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
-from kit.families.samplers import ImageSpec, check_validation
+from kit.families.samplers import DEFAULT, ImageSpec, check_validation
 from kit.families.shipped import SHIPPED
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ def flow_sampling(sampling: str, loss_weighting: str) -> str:
     return "logit_normal" if loss_weighting == "none" else "uniform"
 
 
-class Family(ABC):
+class Family(FamilyExports, ABC):
     """One model architecture. Subclass, set the class attributes, register with `@register`."""
 
     name: str = ""
@@ -168,6 +168,15 @@ class Family(ABC):
     default_guidance_scale: float = 7.5
     """Validation guidance when the config sets none: what the family's diffusers pipeline
     draws with by default (for guidance-distilled models, the distilled guidance input)."""
+    samplers: tuple[str, ...] = (DEFAULT,)
+    """The samplers (`kit.families.samplers.SAMPLERS` names) this family's pipeline can draw
+    validation images with; `default` keeps the base model's own scheduler."""
+    size_multiple: int = 8
+    """What a drawn image's width and height must be multiples of: the VAE's factor and, for
+    transformers, their patch size (pipelines refuse or silently round other sizes)."""
+    default_num_inference_steps: int = 25
+    """Validation sampler steps when the config sets none; families whose pipeline draws
+    with fewer by default (step-distilled bases) say so here."""
     variants: tuple[str, ...] = ()
     """The released models this family trains, as `kit families` lists them (e.g. "dev",
     "klein 4B"); which one a base is, is read from its configs (`variant_of`)."""
@@ -175,12 +184,18 @@ class Family(ABC):
     def __init__(self, cfg: Config | None = None) -> None:
         self.cfg = cfg if cfg is not None else Config()
         # Validation entries are checked with the config: a long run must not fail at its grid.
-        check_validation(self.name, self.cfg)
+        check_validation(self, self.cfg)
 
     def guidance_scale(self) -> float:
         """The validation guidance: the configured one, else the family's default."""
         configured = self.cfg.validation.validation_guidance_scale
         return self.default_guidance_scale if configured is None else float(configured)
+
+    def inference_steps(self) -> int:
+        """The validation sampler steps: the configured ones, else the family's default."""
+        return (
+            self.cfg.validation.validation_num_inference_steps or self.default_num_inference_steps
+        )
 
     def version_metadata(self) -> dict[str, str]:
         """What clients read to tell this base from others (A1111 hides a LoRA whose version
@@ -512,91 +527,3 @@ class Family(ABC):
     @abstractmethod
     def make_tiny(self, out_dir: str | Path, seed: int = 0) -> Path:
         """Write a tiny random-init copy of this architecture in diffusers layout."""
-
-    # ------------------------------------------------------------ export
-
-    def save_diffusers_lora(
-        self,
-        layers: dict[str, dict[str, torch.Tensor]],
-        adapter_configs: dict[str, dict[str, Any]],
-        out_dir: Path,
-    ) -> Path:
-        """Write `pytorch_lora_weights.safetensors` as the family's pipeline saves it.
-
-        `layers` holds each adapted part's weights in peft naming, under `denoiser` or a text
-        encoder's subfolder name. The keys stay in peft's style for every target: diffusers'
-        older renaming covers only the attention projections, and a file that mixes both
-        styles loads only in part.
-        """
-        import diffusers
-
-        cls = getattr(diffusers, self.pipeline_class)
-        kwargs: dict[str, Any] = {}
-        for part, state in layers.items():
-            name = (
-                self.lora_layers_kwarg.removesuffix("_lora_layers") if part == "denoiser" else part
-            )
-            kwargs[f"{name}_lora_layers"] = state
-            kwargs[f"{name}_lora_adapter_metadata"] = adapter_configs[part]
-        cls.save_lora_weights(out_dir, **kwargs, safe_serialization=True)
-        return Path(out_dir) / "pytorch_lora_weights.safetensors"
-
-    def kohya_module(self, module: str) -> str:
-        """A denoiser module's path as the kohya file names it (the clients' model naming):
-        the diffusers path here; families whose clients use the original layout rename it."""
-        return module
-
-    def kohya_state_dict(
-        self, state: dict[str, torch.Tensor], alpha: float
-    ) -> dict[str, torch.Tensor]:
-        """The denoiser's LoRA / DoRA weights in the kohya naming that A1111, Forge and ComfyUI
-        load (families whose original layout fuses modules override this)."""
-        return lora_keys(state, self.kohya_prefix, alpha, self.kohya_module)
-
-    def client_models(self, comps: Components) -> dict[str, Any]:
-        """The loaded model as each client that reads this family's kohya files holds it:
-        client name → (state dict in that client's own naming, the aliases the client derives
-        itself, or None), or → a sentence saying why that client cannot be checked here.
-
-        The export applies its file to these with each client's rules (`kit.export.clients`).
-        """
-        return {}
-
-    def lycoris_naming(self) -> tuple[str, Any]:
-        """(key prefix, module renaming) of the denoiser's LoHa / LoKr file."""
-        return self.kohya_prefix, self.kohya_module
-
-    # ------------------------------------------------------------ single file
-
-    def single_file_state_dict(self, comps: Components) -> dict[str, torch.Tensor]:
-        """The whole model as one checkpoint in the original layout that A1111, Forge and
-        ComfyUI load (see `kit.families.ldm`); families without such a layout refuse."""
-        raise KitError(
-            f"{self.name} has no single-file checkpoint layout yet; "
-            "write a diffusers folder instead (--format diffusers)"
-        )
-
-    def single_file_pipeline(self, path: str | Path, config_source: str | Path) -> Any:
-        """The family's diffusers pipeline read back from a single-file checkpoint by diffusers'
-        own `from_single_file`, the diffusers folder (or hub id) `config_source` giving the
-        configs: an independent reading of what `single_file_state_dict` wrote."""
-        import diffusers
-
-        cls = getattr(diffusers, self.pipeline_class)
-        return cls.from_single_file(str(path), config=str(config_source), **self.pipeline_kwargs)
-
-    def transformer_file_pipeline(
-        self, transformer_class: str, path: str | Path, config_source: str | Path
-    ) -> Any:
-        """The pipeline of a family whose single file holds the transformer alone (as Flux,
-        SD3 and Wan files in ComfyUI's `diffusion_models` folder do): the transformer read by
-        diffusers' `from_single_file`, every other part from the base model."""
-        import diffusers
-
-        transformer = getattr(diffusers, transformer_class).from_single_file(
-            str(path), config=str(config_source), subfolder="transformer", local_files_only=True
-        )
-        cls = getattr(diffusers, self.pipeline_class)
-        return cls.from_pretrained(
-            str(config_source), transformer=transformer, **self.pipeline_kwargs
-        )

@@ -16,6 +16,7 @@ from kit.errors import ConfigError
 from kit.families import adapter_keys, flux_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
+from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
@@ -45,6 +46,9 @@ class Flux(Family):
     """Flux.1 dev (guidance embedding) or schnell (none), read from the transformer's config."""
 
     name = "flux"
+    # FluxPipeline passes custom sigmas, which the flow Heun scheduler cannot take.
+    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    size_multiple = 16
     native_resolution = 1024
     hub_id = "black-forest-labs/FLUX.1-dev"
     bucket_step = 64

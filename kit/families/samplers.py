@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kit.errors import ConfigError, did_you_mean
+from kit.families.registry import family_class
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -84,7 +85,7 @@ SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """Sampler name → (diffusers scheduler class, the settings that make it that sampler)."""
 
-_DDPM = (
+DDPM_SAMPLERS = (
     DEFAULT,
     "euler",
     "euler_a",
@@ -96,38 +97,21 @@ _DDPM = (
     "unipc",
     "ddpm",
 )
-_FLOW = (DEFAULT, "flow_euler", "flow_heun", "flow_unipc", "flow_dpm++_2m")
-
-FAMILY_SAMPLERS: dict[str, tuple[str, ...]] = {
-    "sd15": _DDPM,
-    "sdxl": _DDPM,
-    "sd3": _FLOW,
-    # FluxPipeline passes custom sigmas, which the flow Heun scheduler cannot take.
-    "flux": tuple(s for s in _FLOW if s != "flow_heun"),
-    "wan": _FLOW,
-}
-"""The samplers each family's pipeline can draw with; a family not listed keeps its own."""
-
-SIZE_MULTIPLE: dict[str, int] = {"sd15": 8, "sdxl": 8, "sd3": 16, "flux": 16, "wan": 16}
-"""What a drawn image's width and height must be multiples of: the VAE's 8× and, for the
-transformers, their 2×2 patches (the pipelines refuse or silently round other sizes)."""
+"""The samplers of DDPM families (a family's `samplers` attribute)."""
+FLOW_SAMPLERS = (DEFAULT, "flow_euler", "flow_heun", "flow_unipc", "flow_dpm++_2m")
+"""The samplers of flow-matching families whose pipeline takes any of them."""
 
 
 def samplers_for(family: str) -> tuple[str, ...]:
-    """The sampler names `family` can draw with."""
-    return FAMILY_SAMPLERS.get(family, (DEFAULT,))
+    """The sampler names family `family` can draw with (its class's `samplers`)."""
+    return family_class(family).samplers
 
 
-def size_multiple(family: str) -> int:
-    """The multiple a drawn image's sides must be for `family`."""
-    return SIZE_MULTIPLE.get(family, 8)
-
-
-def check_validation(family: str, cfg: Config) -> None:
+def check_validation(family: Any, cfg: Config) -> None:
     """Refuse `validation_prompts` entries this family cannot draw: an unknown sampler, or a
     size its pipeline would refuse or round (so a long run does not fail at its first grid)."""
-    choices = samplers_for(family)
-    multiple = size_multiple(family)
+    choices, multiple = family.samplers, family.size_multiple
+    family = family.name
     for i, entry in enumerate(cfg.validation.validation_prompts):
         where = f"validation_prompts[{i}]"
         if entry.scheduler is not None and entry.scheduler not in choices:
@@ -145,16 +129,16 @@ def check_validation(family: str, cfg: Config) -> None:
                 )
 
 
-def build_scheduler(family: str, scheduler: Any, name: str) -> Any:
+def build_scheduler(family: Any, scheduler: Any, name: str) -> Any:
     """The scheduler that draws with sampler `name`: `scheduler` itself for `default`, else a
     new one `from_config` of its config with the sampler's own settings.
 
     The σ shift of a flow model is carried across the two ways diffusers spells it (`shift`
     for the flow Euler schedulers, `flow_shift` for the multistep ones on flow sigmas).
     """
-    if name not in samplers_for(family):
-        choices = ", ".join(samplers_for(family))
-        raise ConfigError(f"sampler {name!r}: {family} draws with one of {choices}")
+    if name not in family.samplers:
+        choices = ", ".join(family.samplers)
+        raise ConfigError(f"sampler {name!r}: {family.name} draws with one of {choices}")
     if name == DEFAULT:
         return scheduler
     import diffusers
@@ -195,7 +179,7 @@ def draw(family: Any, pipe: Any, spec: ImageSpec) -> tuple[list[Image.Image], di
     see each other's sampler.
     """
     own = pipe.scheduler
-    scheduler = build_scheduler(family.name, own, spec.sampler)
+    scheduler = build_scheduler(family, own, spec.sampler)
     record: dict[str, Any] = {
         "sampler": spec.sampler,
         "scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
@@ -225,14 +209,13 @@ def draw(family: Any, pipe: Any, spec: ImageSpec) -> tuple[list[Image.Image], di
 
 __all__ = [
     "DEFAULT",
-    "FAMILY_SAMPLERS",
+    "DDPM_SAMPLERS",
+    "FLOW_SAMPLERS",
     "SAMPLERS",
-    "SIZE_MULTIPLE",
     "ImageSpec",
     "base_shift",
     "build_scheduler",
     "check_validation",
     "draw",
     "samplers_for",
-    "size_multiple",
 ]

@@ -7,12 +7,15 @@ import torch
 from kit.families import adapter_keys, ldm, register, tiny
 from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
+from kit.families.samplers import DDPM_SAMPLERS
 from kit.families.shipped import config_source
 
 
 @register
 class SD15(Family):
     name = "sd15"
+    samplers = DDPM_SAMPLERS
+    size_multiple = 8
     native_resolution = 512
     hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
     bucket_step = 64

@@ -9,6 +9,7 @@ import torch
 from kit.families import adapter_keys, register, sd3_layout, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
+from kit.families.samplers import FLOW_SAMPLERS
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -21,6 +22,8 @@ DEFAULT_T5_TOKENS = 256  # the pipeline's default `max_sequence_length`
 @register
 class SD3(Family):
     name = "sd3"
+    samplers = FLOW_SAMPLERS
+    size_multiple = 16
     native_resolution = 1024
     hub_id = "stabilityai/stable-diffusion-3.5-medium"
     bucket_step = 64

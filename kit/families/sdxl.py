@@ -9,6 +9,7 @@ import torch
 from kit.families import adapter_keys, ldm, register, tiny
 from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
+from kit.families.samplers import DDPM_SAMPLERS
 from kit.families.shipped import config_source
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
@@ -31,6 +32,8 @@ def pool_at_eos(encoder: Any, tokenizer: Any) -> None:
 @register
 class SDXL(Family):
     name = "sdxl"
+    samplers = DDPM_SAMPLERS
+    size_multiple = 8
     native_resolution = 1024
     hub_id = "stabilityai/stable-diffusion-xl-base-1.0"
     embedding_names = ("clip_l", "clip_g")

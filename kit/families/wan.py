@@ -14,6 +14,7 @@ import torch
 from kit.families import adapter_keys, register, tiny, wan_layout
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import saved_scheduler
+from kit.families.samplers import FLOW_SAMPLERS
 
 TEMPORAL_FACTOR = 4
 """Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
@@ -24,6 +25,8 @@ DEFAULT_SEQUENCE_LENGTH = 512
 @register
 class Wan(Family):
     name = "wan"
+    samplers = FLOW_SAMPLERS
+    size_multiple = 16
     native_resolution = 480
     hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     # 8x VAE times the transformer's 2x2 patches; WanPipeline refuses sides not divisible by 16.

@@ -59,7 +59,7 @@ def prompt_rows(
         prompt="",
         negative_prompt=v.validation_negative_prompt,
         seed=0,
-        num_inference_steps=v.validation_num_inference_steps,
+        num_inference_steps=family.inference_steps(),
         guidance_scale=family.guidance_scale(),
         width=side,
         height=side,

@@ -130,7 +130,7 @@ def learning_report(
                     p,
                     v.validation_negative_prompt,
                     s,
-                    v.validation_num_inference_steps,
+                    family.inference_steps(),
                     family.guidance_scale(),
                     side,
                     side,

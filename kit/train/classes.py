@@ -101,7 +101,7 @@ def draw_class_images(
         folder = Path(v.data.image_dir)
         folder.mkdir(parents=True, exist_ok=True)
         side = v.data.resolution // family.bucket_step * family.bucket_step or family.bucket_step
-        steps = g.num_inference_steps or cfg.validation.validation_num_inference_steps
+        steps = g.num_inference_steps or family.inference_steps()
         guidance = family.default_guidance_scale if g.guidance_scale is None else g.guidance_scale
         print_fn(f"{v.where}: drawing {len(numbers)} class image(s) of {g.prompt!r} into {folder}")
         # The record first: an interrupted draw resumes only with the same settings.
