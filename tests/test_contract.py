@@ -240,3 +240,35 @@ def test_pipeline_samples_an_image_spec_as_call_kwargs_says(loaded):
     )
     scaled = family.call_kwargs(dataclasses.replace(spec, adapter_scale=0.5))
     assert scaled != call and "0.5" in json.dumps(scaled), "the adapter scale is not passed"
+
+
+def test_validation_draws_the_same_from_cached_embeddings(loaded):
+    """Once the cache is filled the encoders go (`kit.sample.embedded`): the grids' prompts,
+    cached with the captions, drawn through a pipeline without encoders give the same image."""
+    from dataclasses import replace
+
+    from kit.sample.embedded import EmbeddedPrompts, prompt_texts, takes_embeddings
+
+    family, _, comps = loaded
+    spec = ImageSpec(
+        prompt=CAPTIONS[0],
+        negative_prompt=CAPTIONS[1],
+        seed=5,
+        num_inference_steps=2,
+        guidance_scale=4.0,
+        width=SIDE,
+        height=SIDE,
+    )
+    texts = prompt_texts(family, [spec])
+    assert CAPTIONS[0] in texts
+    # One text at a time, as the pipeline encodes it (a batch may differ in the last bit).
+    with torch.no_grad():
+        cached = {
+            t: {k: v[0].float() for k, v in family.encode_text(comps, [t]).items()} for t in texts
+        }
+    assert takes_embeddings(type(family.pipeline(comps)), list(cached[texts[0]]))
+    with_encoders = family.sample(family.pipeline(comps), spec)
+    bare = replace(comps, text_encoders=[None] * len(comps.tokenizers))
+    without = family.sample(EmbeddedPrompts(family.pipeline(bare), cached.__getitem__), spec)
+    for a, b in zip(with_encoders, without, strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))

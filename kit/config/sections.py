@@ -43,6 +43,10 @@ class ModelConfig:
     """Tokens of the T5 text encoder (SD3: 256, up to 512; Flux: 512); 0 takes the family's default."""
     use_t5: bool = True
     """Load the T5 text encoder where the family has one; false leaves it out to save memory."""
+    training_adapter: str = ""
+    """A LoRA (file, folder or hub id) run inside a step-distilled base while training (e.g. a
+    de-distilling adapter made for Z-Image Turbo or FLUX.2 klein) and left out of every export:
+    the trained LoRA is then used on the distilled base alone. Validation draws both ways."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_sequence_length <= 512:

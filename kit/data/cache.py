@@ -8,9 +8,11 @@ kept (one file each, or shards with an index) is the store's business (`kit.data
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,10 @@ class CachedDataset:
     """Per sample, where its loss mask comes from (`masked_loss`); empty without masks."""
     store: EntryStore = field(default_factory=FileStore)
     """Where the entries are kept (`cache_format`): the entry paths above address it."""
+    text_path: Callable[[str], Path] | None = None
+    """A text's embedding file (keyed as every caption's)."""
+    prompt_files: dict[str, Path] = field(default_factory=dict)
+    """Texts that no sample trains on, cached with the captions (`add_prompts`)."""
 
     def kept(self) -> list[Sample]:
         """The samples trained on, once each (a mirrored twin is the same sample)."""
@@ -100,7 +106,21 @@ class CachedDataset:
         files = {f for fs in self.variant_files for f in fs} | set(self.text_files)
         if self.empty_text_file is not None:
             files.add(self.empty_text_file)
+        files.update(self.prompt_files.values())
         return sorted(files)
+
+    def add_prompts(self, texts: list[str]) -> None:
+        """Cache these texts too: the validation prompts and negative prompts, so that the
+        grids can be drawn from their embeddings once the text encoders are gone."""
+        if self.text_path is None:
+            raise DataError("this cache plan has no text keys to add prompts with")
+        self.prompt_files.update((t, self.text_path(t)) for t in texts)
+
+    def prompt_text(self, text: str) -> dict[str, torch.Tensor]:
+        """A cached prompt's embedding (unbatched), as `encode_text` gave it."""
+        if text not in self.prompt_files:
+            raise DataError(f"the prompt {text!r} was not cached with the captions")
+        return self.store.get(self.prompt_files[text])
 
     def missing(self) -> dict[str, int]:
         """Cache entries not yet written: latents and (distinct) text embeddings."""
@@ -224,8 +244,7 @@ def plan_cache(
     ] * twins
     weights = [seen[s.dataset].loss_weight for s in samples] if weighted(cfg.data) else []
 
-    def text_file(text: str) -> Path:
-        return text_dir / f"{_key(text, str(dtype))}.safetensors"
+    text_file = functools.partial(_text_path, text_dir, str(dtype))
 
     variant_files = [[text_file(t) for t in ts] for ts in texts]
     return CachedDataset(
@@ -243,7 +262,13 @@ def plan_cache(
         skipped=list(masked.refused) if masked is not None else [],
         masks=masks,
         store=open_store(cfg.data.cache_format, cfg.data.cache_compression),
+        text_path=text_file,
     )
+
+
+def _text_path(text_dir: Path, dtype: str, text: str) -> Path:
+    """A text's embedding file: keyed by the text and the dtype, under the encoders' folder."""
+    return text_dir / f"{_key(text, dtype)}.safetensors"
 
 
 def posterior_draw(cfg: Config, entry: Path) -> dict[str, torch.Generator]:
@@ -347,6 +372,7 @@ def _encode_missing(
         wanted.update(zip(fs, ts, strict=True))
     if data.empty_text_file is not None:
         wanted[data.empty_text_file] = ""
+    wanted.update((f, t) for t, f in data.prompt_files.items())
     missing = [(f, t) for f, t in sorted(wanted.items()) if not data.store.has(f)]
     stats["text_reused"] = len(wanted) - len(missing)
     mine = set(sorted(wanted)[share[0] :: share[1]])  # this process's share

@@ -92,6 +92,11 @@ class RunDir:
         """Folder of the validation images drawn at `step`."""
         return self.validation / f"step-{step:06d}"
 
+    def validation_with_adapter(self, step: int) -> Path:
+        """Folder of the images drawn at `step` with the training adapter on (the base as
+        training sees it), beside the step's own images, which are drawn without it."""
+        return self.validation_step(step) / "with-training-adapter"
+
     def validation_steps(self) -> dict[int, Path]:
         """Every folder written by `validation_step`, by step."""
         if not self.validation.is_dir():

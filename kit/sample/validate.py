@@ -225,7 +225,7 @@ def run_validation(
                 out_dir / f"{stem}.json",
                 {
                     **asdict(spec),
-                    "pipeline": type(pipe).__name__,
+                    "pipeline": type(getattr(pipe, "wrapped", pipe)).__name__,
                     "pipeline_kwargs": family.pipeline_kwargs,
                     "call_kwargs": family.call_kwargs(spec),
                     **strict_json(sampling),

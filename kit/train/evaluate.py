@@ -7,7 +7,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from kit.families import quantize as quant
+from kit.families.identity import public_name
 from kit.families.loading import load_base
+from kit.sample.embedded import EmbeddedPrompts
 from kit.sample.validate import image_specs, run_validation
 from kit.train.state import TrainState
 
@@ -17,33 +19,38 @@ def validate(s: TrainState, step: int) -> Path:
     cfg, comps = s.cfg, s.comps
     # With EMA, the images show the averaged weights: the ones that get exported.
     swap = s.ema.swapped_in(s.params) if s.ema is not None else contextlib.nullcontext()
-    if comps.missing_parts():
+    missing = comps.missing_parts()
+    if s.embedded_prompts:  # the prompts' embeddings are cached: no encoder is needed
+        missing = tuple(p for p in missing if p != "text_encoders")
+    if missing:
         # Trained from a full cache: the encoders load now, for sampling only.
         # Loaded straight in the dtype they draw in, never in fp32 first.
-        _, rest = load_base(cfg, dtype=s.weight_dtype, parts=comps.missing_parts(), family=s.family)
+        _, rest = load_base(cfg, dtype=s.weight_dtype, parts=missing, family=s.family)
         for m in rest.frozen_modules():
             m.to(s.device, dtype=s.weight_dtype)
         # Quantized as training's own encoders would have been, had they been loaded.
         quant.quantize_text_encoders(s.family, rest, cfg.model.base_quantization, device=s.device)
         comps.take_parts(rest)
     bare = s.accelerator.unwrap_model
-    pipe = s.family.pipeline(
-        replace(
-            comps,
-            denoiser=bare(s.denoiser),
-            text_encoders=[bare(e) for e in comps.text_encoders],
-        )
-    )
+    # Without its encoders, the pipeline is built with None in their places.
+    encoders = [bare(e) for e in comps.text_encoders] or [None] * len(comps.tokenizers)
+    pipe = s.family.pipeline(replace(comps, denoiser=bare(s.denoiser), text_encoders=encoders))
+    if s.embedded_prompts:
+        pipe = EmbeddedPrompts(pipe, s.data.prompt_text)
     s.denoiser.eval()
+    specs = image_specs(cfg, s.family, s.prompts)
+    cols, meta = len(cfg.validation.validation_seeds), {"base_model": cfg.model.pretrained_model}
+    adapter = s.training_adapter
+    # The step's own grid is what the exported LoRA draws: without a training adapter.
+    without = adapter.switched_off() if adapter is not None else contextlib.nullcontext()
     with swap, s.accelerator.autocast():
-        grid = run_validation(
-            s.family,
-            pipe,
-            image_specs(cfg, s.family, s.prompts),
-            s.run.validation_step(step),
-            cols=len(cfg.validation.validation_seeds),
-            meta={"base_model": cfg.model.pretrained_model, "step": step},
-        )
+        with without:
+            grid = run_validation(
+                s.family, pipe, specs, s.run.validation_step(step), cols, {**meta, "step": step}
+            )
+        if adapter is not None:
+            meta = {**meta, "step": step, "training_adapter": public_name(adapter.source)}
+            run_validation(s.family, pipe, specs, s.run.validation_with_adapter(step), cols, meta)
     s.denoiser.train()
     s.emit(kind="validation", step=step, grid=grid)
     return grid

@@ -3,6 +3,7 @@ attached, the optimizer, accelerate, a resume; the run folder's own files writte
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import replace
@@ -18,6 +19,7 @@ from kit.errors import KitError
 from kit.families import Family, get_family
 from kit.families import quantize as quant
 from kit.families.loading import load_base
+from kit.families.training_adapter import TrainingAdapter, read_training_adapter
 from kit.io import write_text
 from kit.methods import get_method
 from kit.optim import make_optimizer, make_scheduler
@@ -25,7 +27,8 @@ from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.run.folder import RunDir
-from kit.sample.validate import default_prompts
+from kit.sample.embedded import prompt_texts, takes_embeddings
+from kit.sample.validate import default_prompts, image_specs
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
 from kit.train.agreement import check_agreement
 from kit.train.classes import draw_class_images, wanted
@@ -96,6 +99,12 @@ def prepare(
         scanned=scanned,
     )
     holdout = _holdout(cfg, identity, text_dtype, family)
+    # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
+    taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
+    prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
+    if not method.live_text:
+        # The grids' prompts are cached with the captions: validation then needs no encoder.
+        data.add_prompts(prompt_texts(family, image_specs(cfg, family, prompts)))
     # Frozen parts load straight in the half dtype they run in, never in fp32 first; what
     # trains whole, and the VAE that encodes the cache, load in fp32 (see below).
     dtypes = {"*": weight_dtype, "vae": torch.float32}
@@ -103,31 +112,43 @@ def prepare(
         dtypes[family.text_subfolders[i]] = torch.float32
     if method.whole_denoiser:
         dtypes["denoiser"] = torch.float32
+    # The cache fills first, with only the encoders and the VAE loaded; the denoiser, the
+    # largest part, is loaded afterwards, so the setup never holds both.
+    if t.blocks_to_swap:  # refused before caching, on the architecture alone
+        check_block_swap(
+            cfg, family, method, family.empty_parts(cfg.model.pretrained_model)["denoiser"]
+        )
     parts = _parts_needed(method, data, holdout)
-    _, comps = load_base(cfg, dtype=dtypes, parts=parts, family=family)
-    swapped = check_block_swap(cfg, family, method, comps.denoiser)  # refused before caching
+    _, comps = load_base(cfg, dtype=dtypes, parts=parts[1:], family=family)
     # What trains whole stays fp32 (diffusers' examples do the same): a trained text encoder,
     # a fully trained denoiser. The VAE encodes the cache in fp32 (fill_cache), then joins the
     # frozen parts in the half dtype; the pipelines upcast it to decode when its config asks.
     keep = [comps.text_encoders[i] for i in method.trained_text_encoders()]
-    if method.whole_denoiser:
-        keep.append(comps.denoiser)
-    # The cache fills with only the encoders and the VAE on the device; the denoiser, the
-    # largest part, joins them afterwards, so the setup never holds both.
-    for m in comps.frozen_modules():
-        if m is not comps.denoiser:
-            m.to(
-                device, dtype=None if any(m is k for k in keep) or m is comps.vae else weight_dtype
-            )
+    for part in comps.frozen_modules():
+        keeps = any(part is k for k in keep) or part is comps.vae
+        part.to(device, dtype=None if keeps else weight_dtype)
     _fill_shared(accelerator, data, cfg, family, comps)
     if holdout is not None:
         _fill_shared(accelerator, holdout, cfg, family, comps)
+    embedded = not method.live_text and takes_embeddings(
+        family.pipeline_class, list(data.store.get(data.text_files[0]))
+    )
+    if embedded and comps.text_encoders:
+        # Every text is cached, the grids' prompts too: the encoders leave the GPU and the
+        # host's memory before the denoiser loads (a 7-24 B LLM encoder would not fit beside it).
+        comps.text_encoders = []
+        release_memory(device)
     if is_fsdp(accelerator):
         # FSDP draws no images while training, and every text is cached: the encoders and the
         # VAE give their GPU memory to the sharded denoiser (the estimate counts them so).
-        for m in comps.frozen_modules():
-            if m is not comps.denoiser:
-                m.to("cpu")
+        for part in comps.frozen_modules():
+            part.to("cpu")
+    _, rest = load_base(cfg, dtype=dtypes, parts=("denoiser",), family=family)
+    comps.take_parts(rest)
+    adapter = _training_adapter(cfg, family, comps.denoiser, accelerator.print)
+    swapped = check_block_swap(cfg, family, method, comps.denoiser)
+    if method.whole_denoiser:
+        keep.append(comps.denoiser)
     # Layer by layer on the device: a quantized denoiser is never there whole in full precision.
     quantized = {
         "denoiser": quant.quantize(comps.denoiser, kind, device=device, dtype=weight_dtype)
@@ -145,6 +166,8 @@ def prepare(
             accelerator.print(q.describe(part))
     if comps.vae is not None:
         comps.vae.to(dtype=weight_dtype)
+    if adapter is not None:  # on the stored (quantized, swapped) modules, before the method's
+        adapter.attach(comps.denoiser, device)
     report = _data_report(scanned, data)
     empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
     check_resume(run, cfg, data, resume_from, force)
@@ -202,7 +225,9 @@ def prepare(
         fixed_holdout=fixed_holdout,
         empty_text=empty_text,
         report=report,
-        prompts=[],
+        prompts=prompts,
+        embedded_prompts=embedded,
+        training_adapter=adapter,
         emit=emitter(callbacks),
         started_at=started_at,
         result=TrainResult(run.root, 0, resume_from),
@@ -217,9 +242,6 @@ def prepare(
     s.result.step = s.step
     _write_run_files(s)
     start_trackers(accelerator, cfg)
-    # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
-    taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
-    s.prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
     return s
 
 
@@ -359,6 +381,38 @@ def _fill_shared(
         data.stats = {k: v + data.stats[k] if k.endswith("_encoded") else v for k, v in own.items()}
 
 
+def _training_adapter(
+    cfg: Config, family: Family, denoiser: Any, say: Any
+) -> TrainingAdapter | None:
+    """The configured training adapter, read while the denoiser is still plain; on a
+    step-distilled base without one, a warning that says why and the two ways out."""
+    m = cfg.model
+    distilled = family.distillation(m.pretrained_model)
+    if m.training_adapter:
+        adapter = read_training_adapter(family, denoiser, m.training_adapter)
+        say(
+            f"training adapter: {len(adapter.layers)} LoRA layers of {m.training_adapter} run "
+            "inside the base while training; the export leaves them out"
+        )
+        return adapter
+    if distilled:
+        say(
+            f"warning: {distilled} A LoRA trained on it straight comes out weak or grainy at "
+            "its few steps. Either set training_adapter to a de-distilling LoRA made for this "
+            "base (run inside it while training, left out of the export), or train on the "
+            "non-distilled base and use the LoRA on either"
+        )
+    return None
+
+
+def release_memory(device: torch.device) -> None:
+    """Hand memory that was just let go back: to the host (a collection, since modules hold
+    reference cycles) and, on a GPU, to the device from PyTorch's cache."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _parts_needed(
     method: Any, data: CachedDataset, holdout: CachedDataset | None
 ) -> tuple[str, ...]:
@@ -366,7 +420,7 @@ def _parts_needed(
     missing = data.missing()
     if holdout is not None:
         missing = {k: v + holdout.missing()[k] for k, v in missing.items()}
-    parts = ["denoiser"]
+    parts = ["denoiser"]  # first: `prepare` loads it apart, after the cache is filled
     if missing["latents"]:
         parts.append("vae")
     if missing["text"] or method.live_text:

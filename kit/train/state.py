@@ -14,6 +14,7 @@ from kit.config import Config
 from kit.data.cache import CachedDataset
 from kit.data.scan import ScanReport
 from kit.families import Components, Family
+from kit.families.training_adapter import TrainingAdapter
 from kit.precision import torch_dtype
 from kit.run.folder import RunDir
 from kit.train.objective import EMA, FixedLoss
@@ -84,6 +85,11 @@ class TrainState:
     report: ScanReport
     """The data report: every file left out or changed, with why."""
     prompts: list[str]
+    embedded_prompts: bool
+    """The grids' prompts are cached with the captions and drawn from their embeddings
+    (`kit.sample.embedded`): validation needs no text encoder."""
+    training_adapter: TrainingAdapter | None
+    """The LoRA run inside a step-distilled base while training (`training_adapter`)."""
     emit: Callable[..., None]
     """Sends an event (`kind=...`) to every callback."""
     started_at: float

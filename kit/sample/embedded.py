@@ -1,0 +1,85 @@
+"""Validation prompts drawn from cached text embeddings, so that a run whose text encoders are
+large (Qwen2.5-VL 7B, Mistral Small 24B, Qwen3) lets them go once the cache is filled.
+
+The prompts and negative prompts of the validation grid are cached beside the captions, by the
+same encoder call (`Family.encode_text`, the pipeline's own `encode_prompt`), and the pipeline
+is then called with `prompt_embeds` (and the family's other text tensors) in place of the
+strings, the way a diffusers user passes precomputed embeddings. The tensors keep the names
+the family caches them under, which are the pipeline call's own; the negative prompt's take the
+pipeline's `negative_` prefix.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kit.families.samplers import ImageSpec
+
+PROMPT_KEYS = (("prompt", ""), ("negative_prompt", "negative_"))
+"""Each string argument of a pipeline call, and the prefix of the embeddings that replace it."""
+
+
+def prompt_texts(family: Any, specs: list[ImageSpec]) -> list[str]:
+    """Every text a validation pipeline call would encode for these specs, once each."""
+    texts: dict[str, None] = {}
+    for spec in specs:
+        kwargs = family.call_kwargs(spec)
+        for key, _ in PROMPT_KEYS:
+            if isinstance(kwargs.get(key), str):
+                texts[kwargs[key]] = None
+    return list(texts)
+
+
+def takes_embeddings(pipeline_class: type | str, text_keys: list[str]) -> bool:
+    """Whether the pipeline's call (a class, or its name in diffusers) takes each cached text
+    tensor, for the prompt and for the negative prompt (`prompt_embeds`,
+    `negative_prompt_embeds`, ...)."""
+    if isinstance(pipeline_class, str):
+        import diffusers
+
+        pipeline_class = getattr(diffusers, pipeline_class)
+    params = inspect.signature(pipeline_class.__call__).parameters
+    return all(f"{prefix}{k}" in params for k in text_keys for _, prefix in PROMPT_KEYS)
+
+
+class EmbeddedPrompts:
+    """A pipeline whose calls take cached embeddings in place of the prompt strings.
+
+    Everything else (attributes, the scheduler a sampler swaps in) reads and writes through to
+    the wrapped pipeline; `text_of(text)` gives a text's cached tensors (unbatched).
+    """
+
+    def __init__(self, pipe: Any, text_of: Callable[[str], dict[str, torch.Tensor]]) -> None:
+        object.__setattr__(self, "wrapped", pipe)
+        object.__setattr__(self, "_text_of", text_of)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.wrapped, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.wrapped, name, value)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        device, dtype = _place(self.wrapped)
+        for key, prefix in PROMPT_KEYS:
+            if key not in kwargs:
+                continue
+            text = kwargs.pop(key)
+            for name, value in self._text_of(text).items():
+                value = value.unsqueeze(0).to(device)
+                kwargs[f"{prefix}{name}"] = value.to(dtype) if value.is_floating_point() else value
+        return self.wrapped(**kwargs)
+
+
+def _place(pipe: Any) -> tuple[torch.device, torch.dtype]:
+    """Where and in which dtype the pipeline's denoiser runs: the embeddings go there."""
+    for name in ("transformer", "unet"):
+        module = getattr(pipe, name, None)
+        if module is not None:
+            p = next(module.parameters())
+            return p.device, p.dtype
+    return torch.device("cpu"), torch.float32
