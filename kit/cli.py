@@ -39,9 +39,34 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_families(args: argparse.Namespace) -> int:
-    from kit.families import family_names
+    from kit.families import family_class, family_names
+    from kit.families.shipped import ARCHITECTURES
 
-    print("\n".join(family_names()))
+    rows = []
+    for name in family_names():
+        cls = family_class(name)
+        shipped = [a for a in ARCHITECTURES.values() if a.family == name]
+        rows.append(
+            {
+                "family": name,
+                "variants": list(cls.variants),
+                "video": cls.video,
+                "native_resolution": cls.native_resolution,
+                "base_model": cls.hub_id,
+                "shipped_configs": {a.folder: a.title for a in shipped},
+            }
+        )
+    if args.json:
+        _print_json(rows)
+        return 0
+    for r in rows:
+        kinds = f" ({', '.join(r['variants'])})" if r["variants"] else ""
+        print(
+            f"{r['family']}{kinds}: {r['base_model']}, {r['native_resolution']} px"
+            + (", video" if r["video"] else "")
+        )
+        for folder, title in r["shipped_configs"].items():
+            print(f"  shipped config {folder}: {title}")
     return 0
 
 
@@ -310,7 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_env)
 
-    sp = sub.add_parser("families", help="list the model families")
+    sp = sub.add_parser(
+        "families", help="list the model families, their variants and shipped configs"
+    )
+    sp.add_argument("--json", action="store_true", help="print JSON")
     sp.set_defaults(func=cmd_families)
 
     sp = sub.add_parser("tiny", help="write a tiny random-init model of a family (offline)")

@@ -272,3 +272,19 @@ def test_validation_draws_the_same_from_cached_embeddings(loaded):
     without = family.sample(EmbeddedPrompts(family.pipeline(bare), cached.__getitem__), spec)
     for a, b in zip(with_encoders, without, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kit_families_lists_each_with_its_variants_and_shipped_configs(capsys):
+    """`kit families --json`: every family, with a shipped config of its maintained base, so
+    that `kit estimate` answers for it with no download."""
+    from kit.cli import main
+    from kit.families.shipped import ARCHITECTURES
+
+    assert main(["families", "--json"]) == 0
+    rows = {r["family"]: r for r in json.loads(capsys.readouterr().out)}
+    assert sorted(rows) == FAMILIES
+    for name, row in rows.items():
+        assert row["shipped_configs"], f"{name} ships no config of a real architecture"
+        shipped_ids = {n for f in row["shipped_configs"] for n in ARCHITECTURES[f].names}
+        assert row["base_model"] in shipped_ids, name
+        assert row["variants"] == list(get_family(name).variants)

@@ -29,6 +29,7 @@ from kit.methods import Method, get_method
 from kit.preflight.layout import LAYOUTS, ZERO_BUCKET, Layout, layout_note, part, wrapped_units
 from kit.preflight.storage import check_quant, check_swap, stored, swap_plan
 from kit.preflight.trace import Shape, trace
+from kit.sample.embedded import draws_from_embeddings
 
 GIB = 2**30
 # Memory each card reports to PyTorch (`total_memory`), in GiB: a little under the label.
@@ -331,11 +332,18 @@ def from_trace(
         kept[name] = stored(quant, sum(by_dtype.values()), inv["quantized"].get(name))
         comps[f"{name}_weights"] = kept[name] - (plan["host"] if name == "denoiser" else 0)
     comps["swap_buffers"] = plan["staging"]
+    embedded = draws_from_embeddings(family, method)
     if layout.split == "fsdp":
         # FSDP draws no validation images while training: once the cache is filled, the
         # encoders and the VAE go to CPU memory (the setup phase still holds them).
         for name in tr["frozen"]:
             if name != "denoiser":
+                comps[f"{name}_weights"] = 0
+    elif embedded:
+        # The grids draw from cached prompt embeddings: the text encoders are gone once the
+        # cache is filled (`kit.train.prepare`); the setup phase counts them.
+        for name in tr["frozen"]:
+            if name not in ("denoiser", "vae"):
                 comps[f"{name}_weights"] = 0
     trained = tr["trained_bytes"]
     optim = tr["optimizer"][optimizer]
@@ -419,13 +427,15 @@ def from_trace(
     setup = _setup_phase(tr, kept, quant, family, half, trained if method.whole_denoiser else 0)
 
     # Host RAM has two phases (kit.train.prepare): the base is loaded into host memory and then
-    # moved to the GPU; afterwards the swapped blocks' copies, the batches read from the cache
+    # moved to the GPU, in two loads (the text encoders and the VAE that fill the cache, then
+    # the denoiser); afterwards the swapped blocks' copies, the batches read from the cache
     # and an EMA kept on the CPU stay. The peak is the larger phase.
     # Every frozen part loads in the run's dtype, but the VAE, which encodes the cache, in fp32.
-    loaded = sum(
-        sum(v.values()) * (4 // half if n == "vae" else 1) for n, v in tr["frozen"].items()
-    )
-    loading = {"loaded_weights": loaded + (trained if method.whole_denoiser else 0)}
+    read = {n: sum(v.values()) * (4 // half if n == "vae" else 1) for n, v in tr["frozen"].items()}
+    for_cache = sum(v for n, v in read.items() if n != "denoiser")
+    for_training = read.get("denoiser", 0) + (trained if method.whole_denoiser else 0)
+    loaded = max(for_cache, for_training)
+    loading = {"loaded_weights": loaded}
     training = {
         "swapped_blocks": plan["host"],
         "cached_batch": 2 * tr["inputs_bytes"],  # the entries read, and the batch stacked
@@ -446,6 +456,11 @@ def from_trace(
         notes.append(
             "under FSDP the text encoders and the VAE leave the GPU once the cache is filled "
             "(no validation images are drawn while training)"
+        )
+    elif embedded:
+        notes.append(
+            "the text encoders leave the GPU and host RAM once the cache is filled: the "
+            "validation prompts are cached with the captions and drawn from their embeddings"
         )
     elif not method.live_text and encoders:
         notes.append(
@@ -476,8 +491,10 @@ def from_trace(
         )
     if host_phase == "load":
         notes.append(
-            f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB while the base loads: its "
-            f"parts are read in the run's dtype ({loaded / GIB:.2f} GiB) before they move to the GPU"
+            f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB while the base loads: the "
+            f"text encoders and VAE that fill the cache ({for_cache / GIB:.2f} GiB), then the "
+            f"denoiser ({for_training / GIB:.2f} GiB), are read in the run's dtype before they "
+            "move to the GPU"
         )
     else:
         notes.append(
@@ -514,6 +531,7 @@ def from_trace(
         "setup_bytes": setup["total"],
         "host_phase": host_phase,
         "host_by_phase": {"load": sum(loading.values()), "training": sum(training.values())},
+        "host_loads": {"cache": for_cache, "denoiser": for_training},
         "swap": plan,
         "swappable_blocks": len(inv["blocks"]),
         "cache_bytes_per_sample": tr["inputs_bytes"] // max(1, shape.batch),

@@ -46,6 +46,13 @@ def takes_embeddings(pipeline_class: type | str, text_keys: list[str]) -> bool:
     return all(f"{prefix}{k}" in params for k in text_keys for _, prefix in PROMPT_KEYS)
 
 
+def draws_from_embeddings(family: Any, method: Any) -> bool:
+    """Whether a run of this method on this family draws its grids from cached embeddings, and
+    so lets its text encoders go once the cache is filled: not while a text encoder trains or
+    text is encoded live (textual inversion), and only through a pipeline that takes them."""
+    return not method.live_text and takes_embeddings(family.pipeline_class, ["prompt_embeds"])
+
+
 class EmbeddedPrompts:
     """A pipeline whose calls take cached embeddings in place of the prompt strings.
 
