@@ -43,6 +43,10 @@ class ModelConfig:
     """Tokens of the T5 text encoder (SD3: 256, up to 512; Flux: 512); 0 takes the family's default."""
     use_t5: bool = True
     """Load the T5 text encoder where the family has one; false leaves it out to save memory."""
+    text_encoder_quantization: Literal["none", "int8", "fp8", "nf4"] = "none"
+    """Store the text encoders quantized while they fill the cache (and after, where they stay),
+    so that a 7-24 B LLM encoder fits the card: `int8` / `fp8` take half of bf16, `nf4` (CUDA
+    only) a quarter. The cached embeddings are then the quantized encoder's, keyed apart."""
     training_adapter: str = ""
     """A LoRA (file, folder or hub id) run inside a step-distilled base while training (e.g. a
     de-distilling adapter made for Z-Image Turbo or FLUX.2 klein) and left out of every export:

@@ -346,6 +346,9 @@ class Family(FamilyExports, ABC):
         """
         source = self.model_source(pretrained)
         extras = self.identity_extras(source, revision)
+        if self.cfg.model.text_encoder_quantization != "none":
+            # A quantized encoder's embeddings differ from the full-precision one's.
+            extras = [extras, f"text encoders {self.cfg.model.text_encoder_quantization}"]
         return base_identity(
             pretrained, source, self.text_subfolders, revision, extras, self.cfg.model.vae_model
         )

@@ -111,47 +111,48 @@ def check_quantization(
     *,
     method: Any = None,
     deepspeed: bool = False,
+    key: str = "base_quantization",
 ) -> None:
-    """Refuse a `base_quantization` this run cannot use, before anything is loaded.
+    """Refuse a `base_quantization` (or `key`) this run cannot use, before anything is loaded.
 
     `method` (a `kit.methods` method) says what it cannot train on (`quantization_refusal`),
-    e.g. a denoiser that trains whole, whose weights must take gradient steps. `deepspeed`: the run is
+    e.g. a denoiser that trains whole, whose weights must take gradient steps. `deepspeed`: the
+    run is
     launched under DeepSpeed, whose engine re-places every weight of the model it wraps, which
-    optimum-quanto's weights refuse ("Couldn't swap QLinear.weight").
+    optimum-quanto's weights refuse ("Couldn't swap QLinear.weight"). `key` is the setting
+    the messages name (`text_encoder_quantization` uses the same rules).
     """
     if kind not in KINDS:
-        raise ConfigError(
-            f"base_quantization: unknown value '{kind}' (choose from {', '.join(KINDS)})"
-        )
+        raise ConfigError(f"{key}: unknown value '{kind}' (choose from {', '.join(KINDS)})")
     if kind == "none":
         return
     why = method.quantization_refusal(kind) if method is not None else None
     if why:
-        raise ConfigError(f"base_quantization: {kind} with network_type {method.name}: {why}")
+        raise ConfigError(f"{key}: {kind} with network_type {method.name}: {why}")
     if deepspeed:
         raise KitError(
-            f"base_quantization: {kind} under DeepSpeed: its engine re-places every weight of "
+            f"{key}: {kind} under DeepSpeed: its engine re-places every weight of "
             "the model it wraps, which quantized weights refuse; launch without DeepSpeed (kit "
-            "accelerate-config without --deepspeed-stage), or set base_quantization: none"
+            f"accelerate-config without --deepspeed-stage), or set {key}: none"
         )
     dev = torch.device(device)
     if kind == "nf4" and dev.type != "cuda":
         raise KitError(
-            f"base_quantization: nf4 needs a CUDA GPU (bitsandbytes' 4-bit kernels), and this "
-            f"run is on {dev.type}; use base_quantization: int8, which runs here (half the "
+            f"{key}: nf4 needs a CUDA GPU (bitsandbytes' 4-bit kernels), and this "
+            f"run is on {dev.type}; use {key}: int8, which runs here (half the "
             "memory of bf16 weights where nf4 takes a quarter)"
         )
     if kind == "fp8" and dev.type == "mps":
         raise KitError(
-            "base_quantization: fp8 cannot run on mps (Apple GPUs have no float8 type); use "
-            "base_quantization: int8, which runs there and takes the same memory"
+            f"{key}: fp8 cannot run on mps (Apple GPUs have no float8 type); use "
+            f"{key}: int8, which runs there and takes the same memory"
         )
     _require(kind)
     if kind == "fp8" and _marlin_fp8(dev):
         raise KitError(
-            "base_quantization: fp8 on this GPU: optimum-quanto stores float8 weights on CUDA "
+            f"{key}: fp8 on this GPU: optimum-quanto stores float8 weights on CUDA "
             "GPUs of compute capability 8.0 and newer in its Marlin layout, whose kernels it "
-            "compiles with nvcc on first use; use base_quantization: int8, the same memory with "
+            f"compiles with nvcc on first use; use {key}: int8, the same memory with "
             "plain PyTorch kernels"
         )
 

@@ -39,6 +39,9 @@ from kit.preflight.storage import QUANT_SLOWDOWN, check_quant, swap_choices, swa
 from kit.preflight.trace import Shape
 
 CHECKPOINTING_SLOWDOWN = 1.3  # recomputing the forward pass in the backward
+TEXT_QUANT_COST = 1.01
+"""A quantized text encoder costs no step time (it only fills the cache), but its embeddings
+move a little from the full-precision encoder's: tried only after what changes nothing."""
 FP32_SLOWDOWN = 2.0  # fp32 matmuls against bf16 / fp16 ones
 OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw8bit": 1.02, "adafactor": 1.05, "prodigy": 1.1}
 GRADED = ("train_batch_size", "gradient_accumulation_steps", "blocks_to_swap", "resolution")
@@ -151,6 +154,20 @@ def options(
     quant_cost = _relative({q: QUANT_SLOWDOWN[q] for q in quants}, m.base_quantization)
     out["base_quantization"] = [
         Option("base_quantization", q, c, {"base_quantization": q}) for q, c in quant_cost.items()
+    ]
+    # The text encoders quantized: only the setup (and a run that keeps them) holds less;
+    # the cached embeddings move a little from the full-precision encoder's.
+    texts = [m.text_encoder_quantization]
+    if any(n not in ("denoiser", "vae") for n in inv["quantized"]):
+        texts += [q for q in ("int8", "nf4") if q != texts[0]]
+    out["text_encoder_quantization"] = [
+        Option(
+            "text_encoder_quantization",
+            q,
+            1.0 if q == texts[0] else TEXT_QUANT_COST,
+            {"text_encoder_quantization": q},
+        )
+        for q in texts
     ]
     blocks = [] if method.whole_denoiser else inv["blocks"]
     swaps = sorted({t.blocks_to_swap, *swap_choices(blocks)})
@@ -366,7 +383,7 @@ def _assemble(setup: tuple, s: dict[str, Any], tr: dict[str, Any], shape: Shape)
         cfg,
         tr,
         shape,
-        Storage(s["base_quantization"], s["blocks_to_swap"]),
+        Storage(s["base_quantization"], s["blocks_to_swap"], s["text_encoder_quantization"]),
         resolution=s["resolution"],
         optimizer=s["optimizer"],
         accumulation=s["gradient_accumulation_steps"],

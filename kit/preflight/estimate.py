@@ -27,7 +27,7 @@ from kit.families.identity import fingerprint
 from kit.families.shipped import config_source
 from kit.methods import Method, get_method
 from kit.preflight.layout import LAYOUTS, ZERO_BUCKET, Layout, layout_note, part, wrapped_units
-from kit.preflight.storage import check_quant, check_swap, stored, swap_plan
+from kit.preflight.storage import Storage, check_quant, check_swap, stored, swap_plan
 from kit.preflight.trace import Shape, trace
 from kit.sample.embedded import draws_from_embeddings
 
@@ -47,7 +47,7 @@ NO_BF16 = {"T4 16GB"}  # cards without bf16: mixed precision there means fp16
 CUDA_CONTEXT = int(0.45 * GIB)  # CUDA context and kernels, outside PyTorch's allocator
 ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share of the peak
 HOST_PROCESS = int(2.5 * GIB)  # Python, PyTorch and the CUDA libraries in host memory
-VERSION = 5  # bump when the trace changes: keys the on-disk cache
+VERSION = 6  # bump when the trace changes: keys the on-disk cache
 
 PERSISTENT = (
     "_weights",
@@ -255,6 +255,7 @@ def estimate(
     base_quantization: str | None = None,
     blocks_to_swap: int | None = None,
     use_t5: bool | None = None,
+    text_encoder_quantization: str | None = None,
     bucket: tuple[int, int] | None = None,
     processes: int = 1,
     layout: str = "ddp",
@@ -277,6 +278,7 @@ def estimate(
     storage = Storage(
         base_quantization or m.base_quantization,
         t.blocks_to_swap if blocks_to_swap is None else blocks_to_swap,
+        text_encoder_quantization or m.text_encoder_quantization,
     )
     check_quant(storage.quantization, method)
     split = Layout(layout, processes)
@@ -296,14 +298,6 @@ def estimate(
         family=family,
         layout=split,
     )
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How the frozen base is kept: `base_quantization` and `blocks_to_swap`."""
-
-    quantization: str = "none"
-    swap: int = 0
 
 
 def from_trace(
@@ -329,7 +323,9 @@ def from_trace(
     comps: dict[str, int] = {}
     kept: dict[str, int] = {}
     for name, by_dtype in tr["frozen"].items():
-        kept[name] = stored(quant, sum(by_dtype.values()), inv["quantized"].get(name))
+        kept[name] = stored(
+            storage.kind(name, family), sum(by_dtype.values()), inv["quantized"].get(name)
+        )
         comps[f"{name}_weights"] = kept[name] - (plan["host"] if name == "denoiser" else 0)
     comps["swap_buffers"] = plan["staging"]
     embedded = draws_from_embeddings(family, method)
@@ -368,7 +364,10 @@ def from_trace(
 
     # A quantized layer is unpacked into the compute dtype for its matmul (and again for its
     # backward), one layer at a time.
-    largest = max((q["largest"] for q in inv["quantized"].values()), default=0)
+    largest = max(
+        (q["largest"] for n, q in inv["quantized"].items() if storage.kind(n, family) != "none"),
+        default=0,
+    )
     dequant = 2 * largest * half if quant != "none" else 0
     peak = dict(tr["peak"])
     casts = 0
@@ -424,7 +423,7 @@ def from_trace(
     allocated = sum(comps.values())
     comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
     comps["cuda_context"] = CUDA_CONTEXT
-    setup = _setup_phase(tr, kept, quant, family, half, trained if method.whole_denoiser else 0)
+    setup = _setup_phase(tr, storage, family, half)
 
     # Host RAM has two phases (kit.train.prepare): the base is loaded into host memory and then
     # moved to the GPU, in two loads (the text encoders and the VAE that fill the cache, then
@@ -467,14 +466,18 @@ def from_trace(
             f"text encoders and VAE stay on the GPU ({encoders / GIB:.2f} GiB) once the cache "
             "is filled: validation draws with them"
         )
-    if quant != "none":
-        parts = ", ".join(inv["quantized"])
-        before = sum(sum(tr["frozen"][n].values()) for n in inv["quantized"])
-        after = sum(kept[n] for n in inv["quantized"])
+    for kind, key in ((quant, "base_quantization"), (storage.text, "text_encoder_quantization")):
+        names = [n for n in inv["quantized"] if kind != "none" and storage.kind(n, family) == kind]
+        if key == "base_quantization" and storage.text != "none":
+            names = [n for n in names if n == "denoiser" or n not in tr["frozen"]]
+        if not names:
+            continue
+        before = sum(sum(tr["frozen"][n].values()) for n in names if n in tr["frozen"])
+        after = sum(kept[n] for n in names if n in kept)
         note = (
-            f"base_quantization {quant}: {parts} take {after / GIB:.2f} GiB, not {before / GIB:.2f}"
+            f"{key} {kind}: {', '.join(names)} take {after / GIB:.2f} GiB, not {before / GIB:.2f}"
         )
-        if quant == "nf4":
+        if kind == "nf4":
             note += "; nf4 needs a CUDA GPU (bitsandbytes)"
         notes.append(note)
     if swap:
@@ -515,6 +518,7 @@ def from_trace(
         "mixed_precision": shape.precision,
         "optimizer": optimizer,
         "base_quantization": quant,
+        "text_encoder_quantization": storage.text,
         "blocks_to_swap": swap,
         "use_t5": cfg.model.use_t5,
         "trainable_params": tr["learned"],
@@ -539,29 +543,29 @@ def from_trace(
     return Estimate(comps, settings, notes, details, host, split, procs)
 
 
-def _setup_phase(
-    tr: dict[str, Any], kept: dict[str, int], quant: str, family: Family, half: int, whole: int
-) -> dict[str, Any]:
+def _setup_phase(tr: dict[str, Any], storage: Storage, family: Family, half: int) -> dict[str, Any]:
     """GPU memory while the cache fills, before the first step, as kit.train.prepare orders it:
-    the text encoders and the VAE are on the GPU (the T5s not yet quantized: they are quantized
-    once they have encoded the captions; the VAE in fp32); the denoiser joins them only after
-    the cache is filled (quantized layer by layer, its swapped blocks never leaving host RAM),
-    which the training step's estimate counts. The encoders' activations while they encode are
-    not counted."""
-    del kept, whole  # the denoiser is not on the GPU while the cache fills
+    the text encoders and the VAE are on the GPU (stored as `text_encoder_quantization` says;
+    the T5s that `base_quantization` names are quantized only once they have encoded the
+    captions; the VAE in fp32); the denoiser is loaded only after the cache is filled
+    (quantized layer by layer, its swapped blocks never leaving host RAM), which the training
+    step's estimate counts. The encoders' activations while they encode are not counted."""
+    inv = tr["storage"]["quantized"]
     comps = {}
     for name, by_dtype in tr["frozen"].items():
         loaded = sum(by_dtype.values())
         if name == "vae":
             comps["vae_weights"] = loaded * 4 // half
         elif name != "denoiser":
-            comps[f"{name}_weights"] = loaded
+            comps[f"{name}_weights"] = stored(storage.text, loaded, inv.get(name))
     allocated = sum(comps.values())
     comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
     comps["cuda_context"] = CUDA_CONTEXT
     late = [n for n in family.quantized_text_encoders if n in tr["frozen"]]
     why = "the text encoders and the VAE on the GPU while the cache fills"
-    if quant != "none" and late:
+    if storage.text != "none":
+        why += f" (stored {storage.text})"
+    elif storage.quantization != "none" and late:
         why += f" ({', '.join(late)} not yet quantized)"
     return {"components": comps, "total": sum(comps.values()), "why": why}
 

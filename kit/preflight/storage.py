@@ -19,6 +19,7 @@ The refusals mirror the trainer's, so the estimator never prices a run that woul
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +47,8 @@ def quant_inventory(
     """Part → bytes of its quantizable layers in `dtype` (`none`) and stored as each kind,
     with the largest such weight; taken before an adapter wraps the layers, as training
     quantizes them before it attaches one."""
-    names = ["denoiser", *(n for n in family.quantized_text_encoders if n in parts)]
+    # Every text encoder: `text_encoder_quantization` stores any of them quantized.
+    names = [n for n in parts if n != "vae"]
     out = {}
     for name in names:
         module = parts[name]
@@ -167,3 +169,23 @@ __all__ = [
     "swap_plan",
     "swap_slowdown",
 ]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How the frozen base is kept: `base_quantization`, `blocks_to_swap` and
+    `text_encoder_quantization`."""
+
+    quantization: str = "none"
+    swap: int = 0
+    text: str = "none"
+    """`text_encoder_quantization`: the text encoders stored quantized from the cache on."""
+
+    def kind(self, part: str, family: Family) -> str:
+        """How `part` is stored: the text encoders as `text` (where set), the denoiser and the
+        family's large T5s as `quantization`."""
+        if part not in ("denoiser", "vae") and self.text != "none":
+            return self.text
+        if part == "denoiser" or part in family.quantized_text_encoders:
+            return self.quantization
+        return "none"

@@ -67,6 +67,13 @@ def prepare(
         method=method,
         deepspeed=deepspeed_launch(),
     )
+    if cfg.model.text_encoder_quantization != "none":
+        quant.check_quantization(
+            cfg.model.text_encoder_quantization,
+            device,
+            deepspeed=deepspeed_launch(),
+            key="text_encoder_quantization",
+        )
     check_compile(t.compile, t.blocks_to_swap, deepspeed_launch(), device)
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
@@ -124,8 +131,14 @@ def prepare(
     # a fully trained denoiser. The VAE encodes the cache in fp32 (fill_cache), then joins the
     # frozen parts in the half dtype; the pipelines upcast it to decode when its config asks.
     keep = [comps.text_encoders[i] for i in method.trained_text_encoders()]
+    text_kind = cfg.model.text_encoder_quantization
     for part in comps.frozen_modules():
         keeps = any(part is k for k in keep) or part is comps.vae
+        if text_kind != "none" and not keeps and part is not comps.vae:
+            # Layer by layer on the device: the encoder is never there whole in bf16.
+            q = quant.quantize(part, text_kind, device=device, dtype=weight_dtype)
+            accelerator.print(q.describe("text encoder"))
+            continue
         part.to(device, dtype=None if keeps else weight_dtype)
     _fill_shared(accelerator, data, cfg, family, comps)
     if holdout is not None:
