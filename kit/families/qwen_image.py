@@ -77,26 +77,31 @@ def transformer_inputs(
     latents: torch.Tensor,
     timesteps: torch.Tensor,
     prompt_embeds: torch.Tensor,
-    prompt_embeds_mask: torch.Tensor,
+    prompt_embeds_mask: torch.Tensor | None,
 ) -> dict[str, Any]:
     """QwenImageTransformer2DModel's arguments for (B, C, h, w) latents at `timesteps` (σ · 1000),
-    built as QwenImagePipeline builds them for one denoising step."""
+    built as QwenImagePipeline builds them for one denoising step (a mask of None: every
+    caption fills `prompt_embeds`)."""
     b, _, h, w = latents.shape
     dtype = latents.dtype
-    mask = prompt_embeds_mask.to(latents.device)
-    # The pipeline pads a batch to its longest caption; the cache to a fixed length. Cutting
-    # the columns no caption uses gives the pipeline's tensors (padding is masked out of the
-    # attention and the text positions start at 0, so it would not change the output anyway).
-    keep = int(mask.bool().any(dim=0).nonzero().max()) + 1 if mask.any() else mask.shape[1]
-    mask = mask[:, :keep].long()
+    mask = None
+    if prompt_embeds_mask is not None:
+        # The pipeline pads a batch to its longest caption; the cache to a fixed length.
+        # Cutting the columns no caption uses gives the pipeline's tensors (padding is masked
+        # out of the attention and text positions start at 0, so it would not change the
+        # output anyway), and no mask when nothing is left padded, as `encode_prompt` returns.
+        used = prompt_embeds_mask.bool().any(dim=0)
+        keep = int(used.nonzero().max()) + 1 if bool(used.any()) else used.shape[0]
+        prompt_embeds = prompt_embeds[:, :keep]
+        kept = prompt_embeds_mask[:, :keep].to(latents.device, torch.long)
+        mask = None if bool(kept.all()) else kept
     return {
         "hidden_states": pack_latents(latents),
         # The pipeline feeds t / 1000 = σ (its timesteps are σ · 1000, cast to the latents' dtype).
         "timestep": timesteps.to(latents.device, dtype) / 1000,
         "guidance": None,  # no released Qwen-Image is guidance-distilled
-        # And no mask when nothing is padded, as `encode_prompt` returns.
-        "encoder_hidden_states_mask": None if mask.all() else mask,
-        "encoder_hidden_states": prompt_embeds[:, :keep].to(latents.device, dtype),
+        "encoder_hidden_states_mask": mask,
+        "encoder_hidden_states": prompt_embeds.to(latents.device, dtype),
         "img_shapes": [[(1, h // 2, w // 2)]] * b,
     }
 
@@ -444,7 +449,7 @@ class QwenImage(Family):
             latents,
             torch.zeros(batch, **meta),
             torch.zeros(batch, seq, config.joint_attention_dim, **meta),
-            torch.ones(batch, seq, dtype=torch.long),  # every caption at full length
+            None,  # every caption at full length: the most the estimate can meet
         )
         # The packed image tokens go first: the estimator counts positional inputs as block inputs.
         return (kwargs.pop("hidden_states"),), kwargs
