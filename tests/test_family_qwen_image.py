@@ -255,3 +255,26 @@ def test_textual_inversion_is_refused_by_name():
     cfg = Config().replace(model_family="qwen_image", **TEXTUAL_INVERSION)
     with pytest.raises(ConfigError, match="QwenImagePipeline"):
         get_method(cfg, get_family("qwen_image", cfg))
+
+
+def test_a_comfyui_transformer_file_loads_as_the_folder(tiny_qwen, tmp_path):
+    """A single transformer file (ComfyUI's diffusion_models layout) with `model_config` for
+    the rest: bit for bit the folder's parts, through diffusers' `from_single_file`."""
+    from safetensors.torch import save_file
+
+    family = _family()
+    ours = family.load(str(tiny_qwen))
+    path = tmp_path / "qwen_image_tiny.safetensors"
+    save_file(family.single_file_state_dict(ours), str(path))
+    cfg = Config().replace(
+        model_family="qwen_image", pretrained_model=str(path), model_config=str(tiny_qwen)
+    )
+    theirs = get_family("qwen_image", cfg).load(str(path))
+    for a, b in (
+        (ours.denoiser, theirs.denoiser),
+        (ours.vae, theirs.vae),
+        (ours.text_encoders[0], theirs.text_encoders[0]),
+    ):
+        sa, sb = a.state_dict(), b.state_dict()
+        assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert theirs.source == str(tiny_qwen)

@@ -231,7 +231,7 @@ class QwenImage(Family):
     """Qwen-Image and Qwen-Image-2512 (one architecture; neither is step-distilled)."""
 
     name = "qwen_image"
-    native_resolution = 1024  # 1328 × 1328 is its square default; ~1 MP training buckets
+    native_resolution = 1024  # QwenImagePipeline's default size (128 latent pixels × 8)
     hub_id = "Qwen/Qwen-Image"
     bucket_step = 64
     variants = ("Qwen-Image", "Qwen-Image-2512")
