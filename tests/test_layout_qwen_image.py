@@ -182,12 +182,14 @@ def test_lora_file_loads_to_the_trained_merge_in_both_clients(qwen_base, tmp_pat
     assert_same_weights(diffusers_merged(qwen_base, tmp_path / "kohya.safetensors"), reference)
 
 
-def test_diffusers_file_loads_exactly(qwen_base, tmp_path):
+@pytest.mark.parametrize("dora", [False, True])
+def test_diffusers_file_loads_exactly(dora, qwen_base, tmp_path):
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
 
     targets = list(get_family("qwen_image").default_lora_targets)
-    model = adapted(qwen_base, LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets))
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, use_dora=dora)
+    model = adapted(qwen_base, config)
     state = adapter_state_dict(model)
     config = model.peft_config["default"].to_dict()
     path = get_family("qwen_image").save_diffusers_lora(
