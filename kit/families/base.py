@@ -160,6 +160,10 @@ class Family(ABC):
     """Keyword of the pipeline's `save_lora_weights` that takes the denoiser's LoRA weights."""
     export_formats: tuple[str, ...] = ("diffusers", "kohya")
     """Export formats this family writes."""
+    textual_inversion_refusal: str = ""
+    """Why textual inversion cannot be trained and exported on this family, where its pipeline
+    has `load_textual_inversion` and yet no client could read the embedding (a T5-only family);
+    empty where it can."""
     embedding_names: tuple[str, ...] = ()
     """Keys of a textual-inversion file, one per text encoder (A1111 / ComfyUI naming);
     empty for one encoder, whose file holds a single tensor under the token's name."""
