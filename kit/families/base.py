@@ -161,9 +161,7 @@ class Family(ABC):
     export_formats: tuple[str, ...] = ("diffusers", "kohya")
     """Export formats this family writes."""
     textual_inversion_refusal: str = ""
-    """Why textual inversion cannot be trained and exported on this family, where its pipeline
-    has `load_textual_inversion` and yet no client could read the embedding (a T5-only family);
-    empty where it can."""
+    """Why no client could read this family's embeddings though its pipeline loads some; or ""."""
     embedding_names: tuple[str, ...] = ()
     """Keys of a textual-inversion file, one per text encoder (A1111 / ComfyUI naming);
     empty for one encoder, whose file holds a single tensor under the token's name."""

@@ -63,6 +63,7 @@ class Chroma(Family):
     pipeline_class = "ChromaPipeline"
     # True CFG against the negative prompt (ChromaPipeline's default scale; no guidance input).
     default_guidance_scale = 5.0
+    default_num_inference_steps = 35  # ChromaPipeline's default
     pipeline_kwargs: dict[str, Any] = {}
     lora_layers_kwarg = (
         "transformer_lora_layers"  # FluxLoraLoaderMixin's, which ChromaPipeline uses
