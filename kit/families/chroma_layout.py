@@ -13,9 +13,12 @@ What each name is, and who reads it:
   `ChromaTransformer2DModel.from_single_file` reads back (`convert_chroma_transformer_checkpoint_
   to_diffusers`);
 * a LoRA (`kohya_lora`): `lora_unet_<original module, dots as underscores>`, fused as for Flux;
-  ComfyUI accepts that name for every weight of its model, and diffusers' reader of such files
-  (`_convert_kohya_flux_lora_to_diffusers`) maps the block and `img_in` / `txt_in` / `final_layer`
-  names; it has no name for the approximator (an approximator LoRA loads in ComfyUI only);
+  ComfyUI accepts that name for every weight of its model. diffusers' reader of such files
+  (`_convert_kohya_flux_lora_to_diffusers`, which ChromaPipeline's `load_lora_weights` uses)
+  reads the blocks (a single block's `linear1` at the released widths only); it names `img_in`,
+  `txt_in` and `final_layer.linear` without the `transformer.` prefix, so it leaves them
+  unloaded, and it refuses approximator names. Those, none of them default targets, load in
+  ComfyUI, the client this layout is for;
 * LoHa / LoKr (`lycoris_module`): `lycoris_<diffusers module>`. ComfyUI's Chroma model class
   subclasses its Flux one (`comfy/model_base.py`), so `model_lora_keys_unet` maps those names
   through `comfy.utils.flux_to_diffusers`, which covers the blocks, `x_embedder`,
