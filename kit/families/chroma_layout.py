@@ -96,7 +96,7 @@ def locate(module: str, inner: int, rows: int) -> tuple[str, int, int] | None:
     if match:
         if match.group(3) in _MODULATION:
             return None
-        return flux_layout._locate(module, inner, rows)
+        return flux_layout.locate_block(module, inner)
     name = _original_name(module)
     return None if name is None else (name, 0, rows)
 
@@ -120,13 +120,13 @@ def module_map(config: Mapping[str, Any]) -> dict[str, tuple[str, int, int]]:
     blocks = [
         f"transformer_blocks.{i}.{rest}"
         for i in range(layers)
-        for rest in flux_layout._DOUBLE
+        for rest in flux_layout.DOUBLE_BLOCK
         if rest not in _MODULATION
     ]
     blocks += [
         f"single_transformer_blocks.{i}.{rest}"
         for i in range(singles)
-        for rest in flux_layout._SINGLE
+        for rest in flux_layout.SINGLE_BLOCK
         if rest not in _MODULATION
     ]
     for name in blocks:
@@ -141,10 +141,10 @@ def norm_map(config: Mapping[str, Any]) -> dict[str, str]:
     layers, singles, _, _, _, approx = _sizes(config)
     out = {}
     for i in range(layers):
-        for ours, theirs in flux_layout._DOUBLE_NORMS.items():
+        for ours, theirs in flux_layout.DOUBLE_NORMS.items():
             out[f"transformer_blocks.{i}.{ours}.weight"] = f"double_blocks.{i}.{theirs}.scale"
     for i in range(singles):
-        for ours, theirs in flux_layout._SINGLE_NORMS.items():
+        for ours, theirs in flux_layout.SINGLE_NORMS.items():
             out[f"single_transformer_blocks.{i}.{ours}.weight"] = (
                 f"single_blocks.{i}.{theirs}.scale"
             )

@@ -90,6 +90,16 @@ _DOUBLE_NORMS = {
 }
 _SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
 
+# The block tables for other BFL-layout models (Chroma's blocks are these without modulation).
+DOUBLE_BLOCK: Mapping[str, tuple[str, int, int]] = _DOUBLE
+"""diffusers module inside a double block → (original module, offset, rows in hidden units)."""
+SINGLE_BLOCK: Mapping[str, tuple[str, int, int]] = _SINGLE
+"""The same for a single block."""
+DOUBLE_NORMS: Mapping[str, str] = _DOUBLE_NORMS
+"""diffusers RMSNorm inside a double block → original module holding its `scale`."""
+SINGLE_NORMS: Mapping[str, str] = _SINGLE_NORMS
+"""The same for a single block."""
+
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 _BLOCK_KINDS = {
     "transformer_blocks": ("double_blocks", _DOUBLE, _DOUBLE_NORMS),
@@ -149,6 +159,12 @@ def _locate(name: str, inner: int, out_rows: int) -> tuple[str, int, int] | None
         return None
     bfl, offset, count = entry
     return bfl, offset * inner, (count * inner) if count else out_rows
+
+
+def locate_block(name: str, inner: int) -> tuple[str, int, int] | None:
+    """Where a block module's rows (`transformer_blocks.0.attn.to_k`) sit in the original layout
+    for hidden size `inner`; None for a name outside the blocks or not in their tables."""
+    return _locate(name, inner, 0) if _BLOCK.match(name) else None
 
 
 def _fused_rows(bfl: str, inner: int) -> int | None:
