@@ -315,3 +315,39 @@ def test_lycoris_refuses_the_approximator():
     with pytest.raises(KitError, match="lycoris_"):
         lycoris_module("distilled_guidance_layer.in_proj")
     assert lycoris_module("transformer_blocks.0.attn.to_q") == "transformer_blocks.0.attn.to_q"
+
+
+# ------------------------------------------------------------------ ComfyUI's reader
+
+
+@pytest.mark.parametrize("kind", ["lora", "lokr"])
+def test_comfyui_reads_every_key_into_the_trained_weights(tiny_chroma, base, kind):
+    """The kit's ComfyUI checker, on the model as the family describes it to ComfyUI
+    (`client_models`): every key of the file is read, and the patched original weights are the
+    trained ones (LoRA on every Linear, the approximator's included; LoKr on the defaults)."""
+    from peft import LoKrConfig, LoraConfig
+
+    from kit.export.clients import comfyui
+
+    family = get_family("chroma")
+    comps = family.load(str(tiny_chroma), parts=("denoiser",))
+    model, aliases = family.client_models(comps)["ComfyUI"]
+    assert set(model) == {f"diffusion_model.{k}" for k in comfy_keys(base.config)}
+    if kind == "lora":
+        config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(module_map(base.config)))
+    else:
+        config = LoKrConfig(r=RANK, alpha=ALPHA, target_modules=list(family.default_lora_targets))
+    adapted = _adapted(base, config, seed=5)
+    weights = _peft_weights(adapted)
+    merged = to_original(_merged(adapted), base.config)
+    if kind == "lora":
+        file = family.kohya_state_dict(weights, ALPHA)
+    else:
+        prefix, rename = family.lycoris_naming()
+        file = lycoris_keys(weights, ALPHA, RANK, prefix, rename)
+    got = comfyui.apply(file, {}, model, aliases=aliases)
+    assert got.clean, (got.unconsumed[:3], got.warnings[:3])
+    changed = {k for k, v in merged.items() if not torch.equal(v, model[f"diffusion_model.{k}"])}
+    assert {k.removeprefix("diffusion_model.") for k in got.merged} == changed
+    for key in changed:
+        assert torch.allclose(got.merged[f"diffusion_model.{key}"], merged[key], atol=1e-5), key
