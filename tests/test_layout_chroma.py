@@ -351,3 +351,46 @@ def test_comfyui_reads_every_key_into_the_trained_weights(tiny_chroma, base, kin
     assert {k.removeprefix("diffusion_model.") for k in got.merged} == changed
     for key in changed:
         assert torch.allclose(got.merged[f"diffusion_model.{key}"], merged[key], atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_chroma_pipeline_loads_single_blocks_at_the_released_width(tiny_chroma, tmp_path):
+    """ChromaPipeline's `load_lora_weights` on the file, end to end, for the single blocks its
+    reader splits at the released width (hidden 3072): a one-single-block transformer of that
+    width (no double blocks, a small approximator) gets exactly the trained weights."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    wide = ChromaTransformer2DModel(
+        num_layers=0,
+        num_single_layers=1,
+        joint_attention_dim=32,
+        approximator_num_channels=8,
+        approximator_hidden_dim=32,
+        approximator_layers=1,
+    ).eval()
+    targets = [*get_family("chroma").default_lora_targets, "proj_mlp", "proj_out"]
+    config = LoraConfig(r=2, lora_alpha=ALPHA, target_modules=targets)
+    model = _adapted(wide, config, seed=6)
+    file = kohya_lora(_peft_weights(model), ALPHA)
+    assert {k.split(".")[0] for k in file} == {
+        f"{KOHYA_PREFIX}_single_blocks_0_linear1",
+        f"{KOHYA_PREFIX}_single_blocks_0_linear2",
+        f"{KOHYA_PREFIX}_final_layer_linear",
+    }
+    save_file(file, str(tmp_path / "lora.safetensors"))
+    merged = _merged(model)
+    pipe = ChromaPipeline.from_pretrained(str(tiny_chroma), transformer=wide)
+    pipe.load_lora_weights(str(tmp_path), weight_name="lora.safetensors")
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    loaded = pipe.transformer.state_dict()
+    for key in (
+        "single_transformer_blocks.0.attn.to_q.weight",
+        "single_transformer_blocks.0.attn.to_v.weight",
+        "single_transformer_blocks.0.proj_mlp.weight",
+        "single_transformer_blocks.0.proj_out.weight",
+    ):
+        assert torch.allclose(loaded[key], merged[key], atol=1e-5), key
