@@ -394,3 +394,38 @@ def test_chroma_pipeline_loads_single_blocks_at_the_released_width(tiny_chroma, 
         "single_transformer_blocks.0.proj_out.weight",
     ):
         assert torch.allclose(loaded[key], merged[key], atol=1e-5), key
+
+
+# ------------------------------------------------------------------ single file
+
+
+def test_the_transformer_file_loads_as_the_base_and_reads_back(
+    tiny_chroma, tmp_path, monkeypatch, any_width
+):
+    """The file `single_file_state_dict` writes is a base the family loads (diffusers'
+    `from_single_file` for the transformer, the rest from `model_config`) and the pipeline
+    `single_file_pipeline` reads back: the same weights as the folder's; a Flux.1 file is not."""
+    from safetensors.torch import save_file
+
+    from kit.config import Config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the file's hash store
+    family = get_family("chroma")
+    folder = family.load(str(tiny_chroma))
+    path = tmp_path / "chroma-tiny.safetensors"
+    save_file(family.single_file_state_dict(folder), str(path))
+    cfg = Config().replace(model_family="chroma")
+    cfg.model.pretrained_model, cfg.model.model_config = str(path), str(tiny_chroma)
+    from_file = get_family("chroma", cfg).load(str(path))
+    ours, theirs = folder.denoiser.state_dict(), from_file.denoiser.state_dict()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    pipe = family.single_file_pipeline(path, tiny_chroma)
+    read = pipe.transformer.state_dict()
+    assert all(torch.equal(ours[k], read[k]) for k in ours)
+
+    flux_file = tmp_path / "flux-like.safetensors"
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, str(flux_file))
+    with pytest.raises(KitError, match="does not hold a chroma model"):
+        cfg.model.pretrained_model = str(flux_file)
+        get_family("chroma", cfg).load(str(flux_file))
