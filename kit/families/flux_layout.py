@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -316,7 +316,7 @@ def kohya_lora(
     peft_state: Mapping[str, torch.Tensor],
     alpha: float,
     rank: int | None = None,
-    locate: Any = None,
+    locate: Callable[[str, int, int], tuple[str, int, int] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """peft LoRA weights of a Flux transformer → sd-scripts' Flux LoRA keys with the same update.
 
