@@ -160,6 +160,8 @@ class Family(FamilyExports, ABC):
     """Keyword of the pipeline's `save_lora_weights` that takes the denoiser's LoRA weights."""
     export_formats: tuple[str, ...] = ("diffusers", "kohya")
     """Export formats this family writes."""
+    textual_inversion_refusal: str = ""
+    """Why no client could read this family's embeddings though its pipeline loads some; or ""."""
     embedding_names: tuple[str, ...] = ()
     """Keys of a textual-inversion file, one per text encoder (A1111 / ComfyUI naming);
     empty for one encoder, whose file holds a single tensor under the token's name."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -90,6 +90,16 @@ _DOUBLE_NORMS = {
 }
 _SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
 
+# The block tables for other BFL-layout models (Chroma's blocks are these without modulation).
+DOUBLE_BLOCK: Mapping[str, tuple[str, int, int]] = _DOUBLE
+"""diffusers module inside a double block → (original module, offset, rows in hidden units)."""
+SINGLE_BLOCK: Mapping[str, tuple[str, int, int]] = _SINGLE
+"""The same for a single block."""
+DOUBLE_NORMS: Mapping[str, str] = _DOUBLE_NORMS
+"""diffusers RMSNorm inside a double block → original module holding its `scale`."""
+SINGLE_NORMS: Mapping[str, str] = _SINGLE_NORMS
+"""The same for a single block."""
+
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 _BLOCK_KINDS = {
     "transformer_blocks": ("double_blocks", _DOUBLE, _DOUBLE_NORMS),
@@ -151,6 +161,12 @@ def _locate(name: str, inner: int, out_rows: int) -> tuple[str, int, int] | None
     return bfl, offset * inner, (count * inner) if count else out_rows
 
 
+def locate_block(name: str, inner: int) -> tuple[str, int, int] | None:
+    """Where a block module's rows (`transformer_blocks.0.attn.to_k`) sit in the original layout
+    for hidden size `inner`; None for a name outside the blocks or not in their tables."""
+    return _locate(name, inner, 0) if _BLOCK.match(name) else None
+
+
 def _fused_rows(bfl: str, inner: int) -> int | None:
     """Height of a fused original module (`double_blocks.0.img_attn.qkv`), None if not fused."""
     inside = bfl.split(".", 2)[-1] if bfl.startswith(("double_blocks.", "single_blocks.")) else ""
@@ -210,8 +226,20 @@ def to_original(
     `flux1-dev.safetensors` (bare keys, transformer only), which ComfyUI loads as a diffusion
     model and diffusers' `FluxTransformer2DModel.from_single_file` reads.
     """
-    modules = module_map(config)
     _, _, inner, _, _ = _dims(config)
+    return fuse(state, module_map(config), _norm_map(config), inner)
+
+
+def fuse(
+    state: Mapping[str, torch.Tensor],
+    modules: Mapping[str, tuple[str, int, int]],
+    norms: Mapping[str, str],
+    inner: int,
+) -> dict[str, torch.Tensor]:
+    """`to_original` for any BFL-layout model: `modules` as `module_map` gives it (diffusers
+    Linear → original module, row offset, rows), `norms` diffusers parameter → original key for
+    the weights that are only renamed, `inner` the hidden size. Every key of `state` must be
+    placed and every fused weight filled (Chroma's layout reuses this with its own maps)."""
     pieces: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
     used: set[str] = set()
     for name, (bfl, offset, count) in modules.items():
@@ -240,7 +268,7 @@ def to_original(
         assert fused is None or fused == rows, f"{key}: {rows} rows of {fused}"
         tensor = parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)
         out[key] = tensor.contiguous()
-    for ours, theirs in _norm_map(config).items():
+    for ours, theirs in norms.items():
         if ours not in state:
             raise KitError(f"Flux transformer weights: '{ours}' is missing")
         out[theirs] = state[ours].contiguous()
@@ -285,7 +313,10 @@ _ALPHA_DROPPED = ("final_layer.",)
 
 
 def kohya_lora(
-    peft_state: Mapping[str, torch.Tensor], alpha: float, rank: int | None = None
+    peft_state: Mapping[str, torch.Tensor],
+    alpha: float,
+    rank: int | None = None,
+    locate: Callable[[str, int, int], tuple[str, int, int] | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """peft LoRA weights of a Flux transformer → sd-scripts' Flux LoRA keys with the same update.
 
@@ -296,8 +327,10 @@ def kohya_lora(
     at 1/3 or 1/4 strength). The final layer's modules carry their scale in the up matrix with
     alpha = rank, the one form every reader, diffusers included, scales the same. The hidden
     size comes from the down matrices (a fused part's input is the hidden size), so no config
-    is needed.
+    is needed. `locate(module, hidden, rows)` places a module in the original layout (None: it
+    has no place); the default is Flux.1's, another BFL-layout model passes its own.
     """
+    locate = locate or _locate
     # Original module → its parts: (row offset, down, up, the part's rank in peft's scale).
     groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, int]]] = defaultdict(list)
     heights: dict[str, int | None] = {}
@@ -308,7 +341,7 @@ def kohya_lora(
                 f"{module}: LoRA shapes {tuple(down.shape)} / {tuple(up.shape)} are not a Linear's"
             )
         inner = down.shape[1]
-        located = _locate(module, inner, up.shape[0])
+        located = locate(module, inner, up.shape[0])
         if located is None:
             raise KitError(f"{module}: not a Flux transformer Linear the original layout holds")
         bfl, offset, count = located
@@ -352,16 +385,19 @@ def kohya_lora(
 
 
 def kohya_deltas(
-    tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+    tensors: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    modules: Mapping[str, tuple[str, int, int]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A Flux LoRA in sd-scripts' naming → diffusers module → the weight update it applies.
 
     The arithmetic of ComfyUI's and sd-scripts' readers: up @ down × alpha / (down's rows), or
     × 1 without alpha, split back into the diffusers modules (zeros for a fused part the file
     leaves untouched). It checks an export against the model that was trained, on any model
-    size, where diffusers' own Flux LoRA reader assumes the released model's widths.
+    size, where diffusers' own Flux LoRA reader assumes the released model's widths. `modules`
+    is another BFL-layout model's map (default: `module_map(config)`, Flux.1's).
     """
-    modules = module_map(config)
+    modules = module_map(config) if modules is None else modules
     by_stem: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
     for name, (bfl, offset, count) in modules.items():
         by_stem[f"{KOHYA_PREFIX}_{bfl.replace('.', '_')}"].append((name, offset, count))

@@ -58,6 +58,8 @@ class TextualInversion(Method):
     def unsupported(cls, family: Family) -> str | None:
         import diffusers
 
+        if family.textual_inversion_refusal:
+            return family.textual_inversion_refusal
         encoders = len(family.text_subfolders)
         if encoders > 1 and len(family.embedding_names) != encoders:
             return (
