@@ -105,6 +105,13 @@ FAMILIES: dict[str, FamilyInfo] = {
             video=True,
             frame_stride=4,
         ),
+        FamilyInfo(
+            "zimage",
+            "kit.families.zimage",
+            bucket_step=64,
+            native_resolution=1024,
+            hub_id="Tongyi-MAI/Z-Image-Turbo",
+        ),
     )
 }
 
