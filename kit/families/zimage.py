@@ -179,8 +179,11 @@ class ZImage(Family):
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
     ) -> Components:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
-        from diffusers import ZImageTransformer2DModel
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            ZImageTransformer2DModel,
+        )
         from transformers import Qwen3Model
 
         return self.load_parts(
@@ -337,8 +340,11 @@ class ZImage(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
-        from diffusers import ZImageTransformer2DModel
+        from diffusers import (
+            FlowMatchEulerDiscreteScheduler,
+            ZImagePipeline,
+            ZImageTransformer2DModel,
+        )
         from transformers import Qwen3Config, Qwen3Model
 
         torch.manual_seed(seed)
@@ -400,7 +406,7 @@ class ZImage(Family):
         model = adapter_keys.prefixed(
             "diffusion_model.", zimage_layout.to_original(t.state_dict(), config)
         )
-        aliases = adapter_keys.offset_aliases(zimage_layout.module_map(config))
+        aliases = adapter_keys.offset_aliases(zimage_layout.weight_modules(config))
         return {"ComfyUI": (model, aliases)}
 
     def single_file_state_dict(self, comps):

@@ -14,12 +14,13 @@ convert_z_image_transformer_checkpoint_to_diffusers` inverts it. From it:
 * `module_map`: every diffusers module of a transformer → (original module, row offset, rows),
   what ComfyUI aliases each diffusers LoRA name to;
 * `to_original`: a full state dict → the original keys with q, k, v fused (the single file
-  ComfyUI's `diffusion_models` folder holds and `from_single_file` reads back);
-* `COMFY_SPELLINGS`: the LoRA key spellings ComfyUI's `model_lora_keys_unet` gives a Lumina2
-  model's diffusers names.
+  ComfyUI's `diffusion_models` folder holds and `from_single_file` reads back).
 
-The LoRA file itself keeps diffusers' module names under `diffusion_model.` (see `LORA_PREFIX`),
-the one spelling that both readers take in full; see the family module for why.
+ComfyUI spells each diffusers LoRA name `diffusion_model.<path>`, `transformer.<path>`,
+`lycoris_<path with _>` or the bare `<path>` (the Lumina2 branch of `model_lora_keys_unet`; the
+kit's reader, `kit.export.clients.comfyui`, holds those spellings). The LoRA file itself keeps
+diffusers' module names under `diffusion_model.` (see `LORA_PREFIX`), the one spelling that both
+readers take in full.
 """
 
 from __future__ import annotations
@@ -64,8 +65,6 @@ BLOCK: dict[str, tuple[str, int]] = {
 FUSED_PARTS = {"attention.qkv": 3}
 """Original modules that hold several diffusers modules, and how many (equal row blocks)."""
 
-BLOCK_STACKS = ("layers", "noise_refiner", "context_refiner")
-
 # Outside the blocks: diffusers module or bare parameter → original (ComfyUI's `MAP_BASIC`).
 TOP: dict[str, str] = {
     "all_final_layer.2-1.linear": "final_layer.linear",
@@ -78,16 +77,8 @@ TOP: dict[str, str] = {
     "x_pad_token": "x_pad_token",
     "cap_pad_token": "cap_pad_token",
 }
-
-COMFY_SPELLINGS: tuple[tuple[str, str], ...] = (
-    ("diffusion_model.", "."),
-    ("transformer.", "."),
-    ("lycoris_", "_"),
-    ("", "."),
-)
-"""(prefix, separator) of each LoRA name ComfyUI's `model_lora_keys_unet` gives a Lumina2
-(Z-Image) model's diffusers path: `diffusion_model.<path>`, `transformer.<path>`,
-`lycoris_<path with _>` and the bare `<path>`."""
+BARE = ("x_pad_token", "cap_pad_token")
+"""The parameters `TOP` names that belong to no module."""
 
 _BLOCK_PATH = re.compile(r"(layers|noise_refiner|context_refiner)\.(\d+)\.(.+)")
 
@@ -132,6 +123,12 @@ def module_map(config: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
         original, part = _original(module)
         out[module] = (original, part * rows, rows)
     return out
+
+
+def weight_modules(config: dict[str, Any]) -> dict[str, tuple[str, int, int]]:
+    """`module_map` without the bare parameters (the pad tokens): the modules a LoRA can adapt,
+    each aliased by ComfyUI through its `.weight`."""
+    return {m: v for m, v in module_map(config).items() if m not in BARE}
 
 
 def original_name(module: str) -> str:
