@@ -240,3 +240,33 @@ def test_the_methods_it_trains(tiny_zimage):
     assert {"lora", "dora", "loha", "lokr", "full"} <= set(supported(family))
     assert "textual_inversion" not in supported(family)
     assert family.kohya_text_prefixes == ()  # no client loads Qwen3 LoRA for Z-Image
+
+
+def test_a_single_transformer_file_loads_as_the_folder_does(loaded, tiny_zimage, tmp_path):
+    """The original-layout transformer file (ComfyUI's diffusion_models) is a base too: read by
+    diffusers' own converter, the rest of the model from `model_config`."""
+    from safetensors.torch import save_file
+
+    family, comps = loaded
+    path = tmp_path / "z_image_turbo.safetensors"
+    save_file(family.single_file_state_dict(comps), str(path))
+    other = _family(path, model_config=str(tiny_zimage))
+    read = other.load(str(path), parts=("denoiser",))
+    ours, theirs = comps.denoiser.state_dict(), read.denoiser.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_swap_blocks_are_in_the_order_the_forward_runs_them(loaded):
+    family, comps = loaded
+    blocks = family.swap_blocks(comps.denoiser)
+    order: list[int] = []
+    hooks = [
+        b.register_forward_pre_hook(lambda _m, _a, i=i: order.append(i))
+        for i, b in enumerate(blocks)
+    ]
+    cond = family.encode_text(comps, CAPTIONS[:1])
+    with torch.no_grad():
+        family.predict(comps, torch.randn(1, 16, 8, 8), torch.tensor([500.0]), cond)
+    for h in hooks:
+        h.remove()
+    assert order == list(range(len(blocks)))

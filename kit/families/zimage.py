@@ -169,6 +169,7 @@ class ZImage(Family):
     # ------------------------------------------------------------ loading
 
     text_subfolders = ("text_encoder",)
+    quantized_text_encoders = ("text_encoder",)  # Qwen3-4B, large and only ever read frozen
     # Tongyi-MAI's transformer file (ComfyUI's diffusion_models), in the original layout.
     single_file_markers = ("layers.0.attention.qkv.weight", "cap_embedder.1.weight")
 
