@@ -270,3 +270,19 @@ def test_swap_blocks_are_in_the_order_the_forward_runs_them(loaded):
     for h in hooks:
         h.remove()
     assert order == list(range(len(blocks)))
+
+
+def test_the_token_limit_leaves_room_for_the_chat_template(loaded):
+    """`token_limit` is what the chat template leaves of the pipeline's sequence: a caption of
+    n tokens keeps n + the template's tokens, up to the cut."""
+    from kit.families import tiny
+
+    family, comps = loaded
+    tok = comps.tokenizers[0]
+    limit, length = family.token_limit("text_encoder", tok), family.max_sequence_length()
+    assert 0 < limit < length
+    captions = [" ".join(tiny.WORDS[:n]) for n in (3, limit - 1, limit, limit + 1, 2 * limit)]
+    counts = [len(tok(c).input_ids) for c in captions]
+    assert counts[1:4] == [limit - 1, limit, limit + 1]  # one token per word
+    kept = family.encode_text(comps, captions)["prompt_embeds_mask"].sum(1).tolist()
+    assert kept == [min(n + length - limit, length) for n in counts]

@@ -69,14 +69,15 @@ def qwen_tokenizer() -> Any:
     for ch in pre_tokenizers.ByteLevel.alphabet():
         vocab.setdefault(ch, len(vocab))
     merges: list[tuple[str, str]] = []
-    for word in tiny.WORDS:
-        for piece in (word, "Ġ" + word):  # GPT-2 / Qwen mark a leading space with Ġ
-            current = piece[0]
-            for nxt in piece[1:]:
-                if current + nxt not in vocab:
-                    merges.append((current, nxt))
-                    vocab[current + nxt] = len(vocab)
-                current += nxt
+    # Every word with its leading space (GPT-2 / Qwen mark it Ġ) first, then bare: each word a
+    # left-to-right chain of merges, so no merge of one word breaks another's chain.
+    for piece in [f"Ġ{w}" for w in tiny.WORDS] + list(tiny.WORDS):
+        current = piece[0]
+        for nxt in piece[1:]:
+            if current + nxt not in vocab:
+                merges.append((current, nxt))
+                vocab[current + nxt] = len(vocab)
+            current += nxt
     tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=131072)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHAT_TEMPLATE
@@ -212,7 +213,15 @@ class ZImage(Family):
         return AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
 
     def token_limit(self, encoder, tokenizer):
-        return self.max_sequence_length()
+        # The pipeline cuts the caption *inside* its chat template at `max_sequence_length`
+        # tokens; a bare caption may take what the template's own tokens leave.
+        templated = tokenizer.apply_chat_template(
+            [{"role": "user", "content": ""}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=True,
+        )
+        return self.max_sequence_length() - len(tokenizer(templated).input_ids)
 
     # ------------------------------------------------------------ encoding
 
