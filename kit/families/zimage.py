@@ -92,8 +92,8 @@ class ZImage(Family):
     native_resolution = 1024
     hub_id = "Tongyi-MAI/Z-Image-Turbo"
     bucket_step = 64
-    # Every linear layer of the attention and feed-forward of every block (main stack and both
-    # refiners), as ai-toolkit, musubi-tuner and DiffSynth adapt Z-Image.
+    # Every linear layer of the attention and the feed-forward of every block: the main stack
+    # and both refiners (the modulation layers stay frozen unless named).
     default_lora_targets = (
         "to_q",
         "to_k",
