@@ -286,3 +286,21 @@ def test_the_token_limit_leaves_room_for_the_chat_template(loaded):
     assert counts[1:4] == [limit - 1, limit, limit + 1]  # one token per word
     kept = family.encode_text(comps, captions)["prompt_embeds_mask"].sum(1).tolist()
     assert kept == [min(n + length - limit, length) for n in counts]
+
+
+def test_the_base_variant_samples_with_cfg_and_a_negative_prompt(tiny_zimage, tmp_path):
+    from kit.families.samplers import ImageSpec
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_zimage, base)
+    path = base / "scheduler" / "scheduler_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "shift": 6.0}))
+    family = _family(base, max_sequence_length=32)
+    comps = family.load(str(base))
+    assert family.flow_shift(comps.noise_scheduler.config, 8, 8) == 6.0
+    spec = ImageSpec(prompt="a red star", negative_prompt="blurry", seed=0, num_inference_steps=2,
+                     guidance_scale=family.guidance_scale(), width=64, height=64)  # fmt: skip
+    kwargs = family.call_kwargs(spec)
+    assert kwargs["guidance_scale"] == 5.0 and kwargs["negative_prompt"] == "blurry"
+    calls = _recorded_call(family.pipeline(comps), **kwargs, output_type="latent")
+    assert len(calls) == 2 and len(calls[0][0]) == 2  # CFG: the prompt and the negative

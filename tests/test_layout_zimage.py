@@ -276,3 +276,29 @@ def test_comfyui_applies_every_key_to_the_merged_weights(kind, base):
         return
     for key in changed:
         assert torch.allclose(applied.merged[key], want[key], atol=1e-5), key
+
+
+def test_the_other_spellings(base):
+    """Why the file names diffusers' modules under `diffusion_model.`: ComfyUI has no name for
+    `lora_unet_<diffusers path>`; the fused original `lora_unet_..._attention_qkv` loads in both
+    readers (diffusers splits it into q, k, v sharing the down), but only as one fused adapter."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_z_image_lora_to_diffusers as convert,
+    )
+
+    down, up = torch.randn(RANK, 32), torch.randn(96, RANK)
+    kohya_diffusers = {
+        "lora_unet_layers_0_attention_to_q.lora_down.weight": down,
+        "lora_unet_layers_0_attention_to_q.lora_up.weight": up[:32],
+    }
+    assert _comfy_apply(base, kohya_diffusers).unconsumed == sorted(kohya_diffusers)
+    fused = {
+        "lora_unet_layers_0_attention_qkv.lora_down.weight": down,
+        "lora_unet_layers_0_attention_qkv.lora_up.weight": up,
+    }
+    assert not _comfy_apply(base, fused).unconsumed  # ComfyUI reads the original name
+    read = convert(dict(fused))
+    for i, part in enumerate("qkv"):
+        key = f"transformer.layers.0.attention.to_{part}"
+        assert torch.equal(read[f"{key}.lora_B.weight"], up[32 * i : 32 * (i + 1)])
+        assert torch.equal(read[f"{key}.lora_A.weight"], down)

@@ -35,12 +35,14 @@ from kit.errors import KitError
 LORA_PREFIX = "diffusion_model."
 """Key prefix of the kit's Z-Image LoRA / LyCORIS files, followed by the diffusers module path.
 
-ComfyUI maps `diffusion_model.<diffusers path>` onto its fused weights (the Lumina2 branch of
-`model_lora_keys_unet`), and diffusers' `_convert_non_diffusers_z_image_lora_to_diffusers` (LoRA)
-and `_convert_non_diffusers_lokr_to_diffusers` (LoKr) strip the prefix and read the rest as its
-own names. The other spellings each lose a reader: `lora_unet_<diffusers path>` has no ComfyUI
-name (its `lora_unet_` names are the original paths only), and `lora_unet_<block>_attention_qkv`
-(the fused original) is read by diffusers' converter only in the dotted `.lora.down` form."""
+ComfyUI maps `diffusion_model.<diffusers path>` onto its weights, q / k / v as row slices of the
+fused `qkv` (the Lumina2 branch of `model_lora_keys_unet`), and diffusers'
+`_convert_non_diffusers_z_image_lora_to_diffusers` (LoRA) and
+`_convert_non_diffusers_lokr_to_diffusers` (LoKr) strip the prefix and read the rest as its own
+names: one module per trained module, for every adapter kind. `lora_unet_<diffusers path>`
+(`..._attention_to_q`) has no ComfyUI name (its `lora_unet_` names are the original paths only);
+`lora_unet_<original path>` loads in both, but must fuse q, k and v into one `qkv` adapter of
+three times the rank, which a Kronecker (LoKr) or Hadamard (LoHa) product cannot hold."""
 
 # Inside each block (`layers.N`, `noise_refiner.N`, `context_refiner.N`): diffusers module →
 # (original module, index of the part among the fused parts). From ComfyUI's
