@@ -72,8 +72,10 @@ def test_transformer_inputs_equal_the_pipelines(loaded):
     assert len(calls) == 3
     x, t, caps = calls[0]
     # The first step's timestep is the scheduler's; the kit gets it as σ · 1000.
+    from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
+
     sched = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-    sched.set_timesteps(sigmas=[1.0, 2 / 3, 1 / 3], mu=0.0)
+    sched.set_timesteps(sigmas=get_default_z_image_sigmas(3), mu=0.0)  # static shift: mu unused
     kit = transformer_inputs(
         latents,
         sched.timesteps[:1].expand(2),
