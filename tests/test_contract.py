@@ -288,3 +288,20 @@ def test_kit_families_lists_each_with_its_variants_and_shipped_configs(capsys):
         shipped_ids = {n for f in row["shipped_configs"] for n in ARCHITECTURES[f].names}
         assert row["base_model"] in shipped_ids, name
         assert row["variants"] == list(get_family(name).variants)
+
+
+def test_every_sampler_the_family_offers_draws(loaded):
+    """Each name of the family's `samplers` draws through its pipeline (a validation entry may
+    ask for any of them), and the base model's own scheduler comes back afterwards."""
+    from dataclasses import replace
+
+    from kit.families.samplers import draw
+
+    family, _, comps = loaded
+    pipe = family.pipeline(comps)
+    own = pipe.scheduler
+    spec = ImageSpec(CAPTIONS[0], "", 1, 2, 3.0, SIDE, SIDE)
+    for name in family.samplers:
+        frames, record = draw(family, pipe, replace(spec, sampler=name))
+        assert frames and record["sampler"] == name, name
+        assert pipe.scheduler is own

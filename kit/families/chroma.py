@@ -19,6 +19,7 @@ import torch
 from kit.errors import ConfigError
 from kit.families import adapter_keys, chroma_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.samplers import FLOW_SAMPLERS
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -47,6 +48,9 @@ class Chroma(Family):
     """Chroma1-HD and Chroma1-Base: one architecture, told apart by the release's name."""
 
     name = "chroma"
+    # The pipeline hands its scheduler custom sigmas, which flow Heun cannot take.
+    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    size_multiple = 16
     native_resolution = 1024
     hub_id = "lodestones/Chroma1-HD"
     bucket_step = 64

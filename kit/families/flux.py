@@ -145,6 +145,8 @@ class Flux(Family):
     quantized_text_encoders = ("text_encoder_2",)  # T5-XXL
     # BFL's transformer file (ComfyUI's diffusion_models); all-in-one files add the encoders.
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight",)
+    # Chroma shares the BFL block names; its modulation approximator is its own.
+    single_file_excludes = ("distilled_guidance_layer.in_proj.bias",)
     file_text_prefixes = ("text_encoders.clip_l.", "text_encoders.t5xxl.")
 
     def identity_extras(self, pretrained, revision):

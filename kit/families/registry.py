@@ -119,6 +119,13 @@ FAMILIES: dict[str, FamilyInfo] = {
             native_resolution=1024,
             hub_id="Qwen/Qwen-Image",
         ),
+        FamilyInfo(
+            "zimage",
+            "kit.families.zimage",
+            bucket_step=64,
+            native_resolution=1024,
+            hub_id="Tongyi-MAI/Z-Image-Turbo",
+        ),
     )
 }
 

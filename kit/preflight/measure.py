@@ -66,6 +66,8 @@ def real_step(
         with autocast:
             out = denoiser(*args, **kwargs)
         pred = out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+        if isinstance(pred, list):  # a transformer that returns one output per sample
+            pred = torch.stack(pred)
         loss = (pred.float() - torch.randn_like(pred, dtype=torch.float32)).pow(2).mean()
         del out, pred
         loss.backward()

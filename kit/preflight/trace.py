@@ -364,6 +364,8 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
             state["active"] = False
             state["cache"].clear()
             pred = out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
+            if isinstance(pred, list):  # a transformer that returns one output per sample
+                pred = torch.stack(pred)
             counter.tag = "loss"
             target = torch.empty(pred.shape, dtype=torch.float32, device="meta")
             loss = (pred.float() - target).pow(2).flatten(1).mean(1).mean()

@@ -135,16 +135,21 @@ _SPELLINGS = {
         ("lora_transformer_", "_"),
         ("lycoris_", "_"),
     ),
+    # Lumina2 / Z-Image: the names `z_image_to_diffusers` gives (q, k, v as rows of `qkv`).
+    "lumina2": (("diffusion_model.", "."), ("transformer.", "."), ("lycoris_", "_"), ("", ".")),
 }
-_LAYOUTS = ("ldm", "bfl", "mmdit")
+_LAYOUTS = ("ldm", "bfl", "mmdit", "lumina2")
 _FLUX_HIDDEN = 3072  # ComfyUI's default when neither txt_in nor img_in tells the width
 
 
 def detect_layout(model: dict[str, torch.Tensor]) -> str:
     """Which of ComfyUI's diffusers-name maps this denoiser gets ("mmdit" for SD3, "bfl" for
-    Flux, "ldm" for a UNet), by the keys `comfy/model_detection.py` tests, SD3's first."""
+    Flux, "lumina2" for Lumina 2 / Z-Image, "ldm" for a UNet), by the keys
+    `comfy/model_detection.py` tests, SD3's first."""
     if f"{_PREFIX}joint_blocks.0.context_block.attn.qkv.weight" in model:
         return "mmdit"
+    if f"{_PREFIX}cap_embedder.1.weight" in model:
+        return "lumina2"
     norm = f"{_PREFIX}double_blocks.0.img_attn.norm.key_norm."
     if f"{_PREFIX}img_in.weight" in model and any(norm + p in model for p in ("scale", "weight")):
         return "bfl"
