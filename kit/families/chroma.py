@@ -19,7 +19,7 @@ import torch
 from kit.errors import ConfigError
 from kit.families import adapter_keys, chroma_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
-from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.samplers import DEFAULT
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -48,8 +48,8 @@ class Chroma(Family):
     """Chroma1-HD and Chroma1-Base: one architecture, told apart by the release's name."""
 
     name = "chroma"
-    # The pipeline hands its scheduler custom sigmas, which flow Heun cannot take.
-    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    # The pipeline hands its scheduler custom sigmas, which only these schedulers take.
+    samplers = (DEFAULT, "flow_euler", "flow_unipc")
     size_multiple = 16
     native_resolution = 1024
     hub_id = "lodestones/Chroma1-HD"

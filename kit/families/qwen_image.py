@@ -19,7 +19,7 @@ import torch
 from kit.errors import ConfigError
 from kit.families import adapter_keys, qwen_image_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
-from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
@@ -232,8 +232,8 @@ class QwenImage(Family):
     """Qwen-Image and Qwen-Image-2512 (one architecture; neither is step-distilled)."""
 
     name = "qwen_image"
-    # The pipeline hands its scheduler custom sigmas, which flow Heun cannot take.
-    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    # The pipeline hands its scheduler custom sigmas, which only these schedulers take.
+    samplers = (DEFAULT, "flow_euler", "flow_unipc")
     size_multiple = 16
     default_num_inference_steps = 50  # QwenImagePipeline's default
     native_resolution = 1024  # QwenImagePipeline's default size (128 latent pixels × 8)

@@ -16,6 +16,7 @@ import torch
 from kit.errors import ConfigError
 from kit.families import adapter_keys, register, tiny, zimage_layout
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ TURBO_SHIFT = 3.0
 """The σ shift of Z-Image Turbo's released scheduler config; the base Z-Image ships 6.0."""
 TURBO, BASE = "Turbo", "base"
 GUIDANCE = {TURBO: 0.0, BASE: 5.0}
+STEPS = {TURBO: 9, BASE: 50}
+"""Sampler steps per variant: Turbo's model card draws in 9 (8 denoiser passes), the base
+takes ZImagePipeline's default."""
 """Validation guidance per variant: Turbo samples without CFG (guidance 0, as its model card and
 ZImagePipeline's example call it); the base takes the pipeline's own default, 5.0."""
 
@@ -89,6 +93,8 @@ class ZImage(Family):
     """Z-Image Turbo or base; which one is read from the scheduler config (`variant_of`)."""
 
     name = "zimage"
+    samplers = FLOW_SAMPLERS
+    size_multiple = 16
     native_resolution = 1024
     hub_id = "Tongyi-MAI/Z-Image-Turbo"
     bucket_step = 64
@@ -159,6 +165,11 @@ class ZImage(Family):
     def default_guidance_scale(self) -> float:  # type: ignore[override]
         """ZImagePipeline's guidance for this variant: 0 (no CFG) for Turbo, 5 for the base."""
         return GUIDANCE[self.variant_of(self.cfg.model.pretrained_model or self.hub_id)]
+
+    @property
+    def default_num_inference_steps(self) -> int:  # type: ignore[override]
+        """The validation steps of this variant (`STEPS`)."""
+        return STEPS[self.variant_of(self.cfg.model.pretrained_model or self.hub_id)]
 
     def version_metadata(self) -> dict[str, str]:
         turbo = self.variant_of(self.cfg.model.pretrained_model or self.hub_id) == TURBO
