@@ -247,7 +247,7 @@ def test_validation_draws_the_same_from_cached_embeddings(loaded):
     cached with the captions, drawn through a pipeline without encoders give the same image."""
     from dataclasses import replace
 
-    from kit.sample.embedded import EmbeddedPrompts, prompt_texts, takes_embeddings
+    from kit.sample.embedded import EmbeddedPrompts, embedded_keys, prompt_texts, takes_embeddings
 
     family, _, comps = loaded
     spec = ImageSpec(
@@ -266,10 +266,12 @@ def test_validation_draws_the_same_from_cached_embeddings(loaded):
         cached = {
             t: {k: v[0].float() for k, v in family.encode_text(comps, [t]).items()} for t in texts
         }
-    assert takes_embeddings(type(family.pipeline(comps)), list(cached[texts[0]]))
+    assert takes_embeddings(type(family.pipeline(comps)), embedded_keys(family, cached[texts[0]]))
     with_encoders = family.sample(family.pipeline(comps), spec)
     bare = replace(comps, text_encoders=[None] * len(comps.tokenizers))
-    without = family.sample(EmbeddedPrompts(family.pipeline(bare), cached.__getitem__), spec)
+    without = family.sample(
+        EmbeddedPrompts(family.pipeline(bare), cached.__getitem__, family), spec
+    )
     for a, b in zip(with_encoders, without, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 

@@ -377,6 +377,12 @@ class Family(FamilyExports, ABC):
         (callers that only cache work with frozen encoders, so no graph is kept).
         """
 
+    def prompt_kwargs(self, text: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Cached text tensors of one prompt (batch of one) as the pipeline call takes
+        precomputed embeddings for it: by default as cached, whose names are the call's own
+        (`prompt_embeds`, `pooled_prompt_embeds`, ...); the negative prompt's get `negative_`."""
+        return dict(text)
+
     @abstractmethod
     def encode_images(
         self, comps: Components, pixels: torch.Tensor, generator: torch.Generator | None = None

@@ -16,7 +16,7 @@ import torch
 from kit.errors import ConfigError
 from kit.families import adapter_keys, register, tiny, zimage_layout
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
-from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
@@ -93,7 +93,8 @@ class ZImage(Family):
     """Z-Image Turbo or base; which one is read from the scheduler config (`variant_of`)."""
 
     name = "zimage"
-    samplers = FLOW_SAMPLERS
+    # The pipeline hands its scheduler custom sigmas (a list), which only flow Euler takes.
+    samplers = (DEFAULT, "flow_euler")
     size_multiple = 16
     native_resolution = 1024
     hub_id = "Tongyi-MAI/Z-Image-Turbo"
@@ -288,6 +289,10 @@ class ZImage(Family):
         config = comps.noise_scheduler.config
         shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
         return self.flow_draw(comps, latents, generator, shift)
+
+    def prompt_kwargs(self, text):
+        # ZImagePipeline takes each prompt's embedding as one tensor of its own length.
+        return {"prompt_embeds": unpad_embeds(text["prompt_embeds"], text["prompt_embeds_mask"])}
 
     def predict(self, comps, noisy, timesteps, cond):
         transformer = comps.denoiser

@@ -53,6 +53,11 @@ def draws_from_embeddings(family: Any, method: Any) -> bool:
     return not method.live_text and takes_embeddings(family.pipeline_class, ["prompt_embeds"])
 
 
+def embedded_keys(family: Any, text: dict[str, torch.Tensor]) -> list[str]:
+    """The pipeline call's keywords that a cached text entry becomes (`Family.prompt_kwargs`)."""
+    return list(family.prompt_kwargs(batch_of_one(text)))
+
+
 class EmbeddedPrompts:
     """A pipeline whose calls take cached embeddings in place of the prompt strings.
 
@@ -60,9 +65,12 @@ class EmbeddedPrompts:
     the wrapped pipeline; `text_of(text)` gives a text's cached tensors (unbatched).
     """
 
-    def __init__(self, pipe: Any, text_of: Callable[[str], dict[str, torch.Tensor]]) -> None:
+    def __init__(
+        self, pipe: Any, text_of: Callable[[str], dict[str, torch.Tensor]], family: Any
+    ) -> None:
         object.__setattr__(self, "wrapped", pipe)
         object.__setattr__(self, "_text_of", text_of)
+        object.__setattr__(self, "_family", family)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.wrapped, name)
@@ -76,10 +84,24 @@ class EmbeddedPrompts:
             if key not in kwargs:
                 continue
             text = kwargs.pop(key)
-            for name, value in self._text_of(text).items():
-                value = value.unsqueeze(0).to(device)
-                kwargs[f"{prefix}{name}"] = value.to(dtype) if value.is_floating_point() else value
+            kwargs.update(
+                (f"{prefix}{name}", value)
+                for name, value in self._family.prompt_kwargs(
+                    batch_of_one(self._text_of(text), device, dtype)
+                ).items()
+            )
         return self.wrapped(**kwargs)
+
+
+def batch_of_one(
+    text: dict[str, torch.Tensor], device: Any = "cpu", dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """A cached text entry as a batch of one on `device`, its floating tensors in `dtype`."""
+    out = {}
+    for name, value in text.items():
+        value = value.unsqueeze(0).to(device)
+        out[name] = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+    return out
 
 
 def _place(pipe: Any) -> tuple[torch.device, torch.dtype]:

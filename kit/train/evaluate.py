@@ -36,7 +36,7 @@ def validate(s: TrainState, step: int) -> Path:
     encoders = [bare(e) for e in comps.text_encoders] or [None] * len(comps.tokenizers)
     pipe = s.family.pipeline(replace(comps, denoiser=bare(s.denoiser), text_encoders=encoders))
     if s.embedded_prompts:
-        pipe = EmbeddedPrompts(pipe, s.data.prompt_text)
+        pipe = EmbeddedPrompts(pipe, s.data.prompt_text, s.family)
     s.denoiser.eval()
     specs = image_specs(cfg, s.family, s.prompts)
     cols, meta = len(cfg.validation.validation_seeds), {"base_model": cfg.model.pretrained_model}

@@ -27,7 +27,7 @@ from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.run.folder import RunDir
-from kit.sample.embedded import prompt_texts, takes_embeddings
+from kit.sample.embedded import embedded_keys, prompt_texts, takes_embeddings
 from kit.sample.validate import default_prompts, image_specs
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
 from kit.train.agreement import check_agreement
@@ -144,7 +144,7 @@ def prepare(
     if holdout is not None:
         _fill_shared(accelerator, holdout, cfg, family, comps)
     embedded = not method.live_text and takes_embeddings(
-        family.pipeline_class, list(data.store.get(data.text_files[0]))
+        family.pipeline_class, embedded_keys(family, data.store.get(data.text_files[0]))
     )
     if embedded and comps.text_encoders:
         # Every text is cached, the grids' prompts too: the encoders leave the GPU and the
