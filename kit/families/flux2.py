@@ -1,0 +1,595 @@
+"""FLUX.2 (dev; klein 4B / 9B and their base models): a flow-matching MMDiT on 2×2 patches of a
+32-channel VAE's latents, conditioned on hidden states of an LLM (Mistral Small 3.1 for dev,
+Qwen3 for klein).
+
+The cache holds the VAE latents normalised as the pipelines normalise them (patchified, then
+the VAE's batch-norm mean and std), unpatchified back to (B, C, H/8, W/8); patchifying,
+packing and the 4-axis position ids are built per step exactly as `Flux2Pipeline` builds them.
+Which model a base is (dev, klein, base or step-distilled) is read from its `model_index.json`
+(the pipeline class and klein's `is_distilled`) and its transformer's config.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kit.errors import ConfigError
+from kit.families import adapter_keys, flux2_layout, register
+from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.shipped import config_source
+
+if TYPE_CHECKING:
+    from kit.config import Config
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # both pipelines' default text length
+DEV, KLEIN = "Flux2Pipeline", "Flux2KleinPipeline"
+# klein's size by its text width (3 stacked hidden states of Qwen3 4B / 8B).
+KLEIN_SIZES = {7680: "4B", 12288: "9B"}
+
+
+@functools.lru_cache(maxsize=32)
+def model_index(source: str, revision: str | None = None) -> dict[str, Any]:
+    """A base's `model_index.json` (a folder's, the shipped copy's, or downloaded alone);
+    empty when it cannot be read (a single file's `model_config`, or no network)."""
+    path = Path(config_source(source)) / "model_index.json"
+    try:
+        if not path.parent.is_dir():
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(source, "model_index.json", revision=revision))
+        return json.loads(path.read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - any failure means: not known here
+        return {}
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) → (B, 4C, h/2, w/2), each 2×2 patch's values as channels (the pipeline's)."""
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline._patchify_latents(latents)
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of `patchify`."""
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline._unpatchify_latents(latents)
+
+
+def bn_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's batch-norm mean and std over patchified channels, as the pipelines read them."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
+
+
+def transformer_inputs(
+    config: Any,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    guidance_scale: float,
+) -> dict[str, Any]:
+    """Flux2Transformer2DModel's arguments for unpatchified latents, as the pipelines build them."""
+    from diffusers import Flux2Pipeline
+
+    patches = patchify(latents)
+    device, dtype = latents.device, latents.dtype
+    guidance = None
+    if config.guidance_embeds:  # dev: the distilled guidance is an input; klein has none
+        guidance = torch.full((latents.shape[0],), guidance_scale, device=device).float()
+    return {
+        "hidden_states": Flux2Pipeline._pack_latents(patches),
+        # The pipelines feed σ in [0, 1] (their timesteps / 1000); the model scales it back.
+        "timestep": timesteps.to(dtype) / 1000,
+        "guidance": guidance,
+        "encoder_hidden_states": prompt_embeds.to(device, dtype),
+        "txt_ids": Flux2Pipeline._prepare_text_ids(prompt_embeds).to(device),
+        "img_ids": Flux2Pipeline._prepare_latent_ids(patches).to(device),
+    }
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Packed patch tokens back to unpatchified (B, C, height, width) latents."""
+    b, _, channels = tokens.shape
+    return unpatchify(tokens.transpose(1, 2).reshape(b, channels, height // 2, width // 2))
+
+
+@register
+class Flux2(Family):
+    """FLUX.2 dev (guidance embedding, Mistral3) or klein (Qwen3), read from the base's configs."""
+
+    name = "flux2"
+    native_resolution = 1024
+    hub_id = "black-forest-labs/FLUX.2-dev"
+    bucket_step = 64
+    # The double blocks' attention, and the single blocks' fused q, k, v and MLP input (their
+    # `attn.to_out` is not named: `to_out` would also match the double blocks' ModuleList).
+    default_lora_targets = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "to_qkv_mlp_proj",
+    )
+    # Both pipelines sample with 4.0 by default: dev's distilled guidance input, klein base's
+    # CFG scale (klein's step-distilled pipeline ignores it).
+    default_guidance_scale = 4.0
+    # The guidance fed to dev in training: its pipeline's default (diffusers' FLUX.2 LoRA script
+    # keeps FLUX.1's 3.5 as its `--guidance_scale` default; `train_guidance_scale` sets either).
+    default_train_guidance_scale = 4.0
+    lora_layers_kwarg = "transformer_lora_layers"
+    # Flux2LoraLoaderMixin loads LoRA into the transformer only.
+    kohya_text_prefixes = ()
+    diffusers_reads_kohya = True  # `_convert_kohya_flux2_lora_to_diffusers`
+    kohya_dora = False  # a fused qkv's DoRA would need the untrained parts' norms
+    base_model_version = "flux2"
+    modelspec_implementation = "https://github.com/black-forest-labs/flux2"
+    export_formats = ("diffusers", "kohya")
+    variants = ("dev", "klein 4B", "klein 9B", "klein base 4B", "klein base 9B")
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        super().__init__(cfg)
+        step = self.cfg.data.bucket_step
+        if step % 16:
+            # Patchifying needs an even latent side: 2 × the VAE's 8x.
+            raise ConfigError(
+                f"bucket_step: {step} must be a multiple of 16 for flux2 (64 is usual)"
+            )
+
+    # ------------------------------------------------------------ variants
+
+    def _index(self, pretrained: str) -> dict[str, Any]:
+        return model_index(self.model_source(pretrained), self.cfg.model.revision)
+
+    @property
+    def pipeline_class(self) -> str:  # type: ignore[override]
+        """Flux2Pipeline for dev, Flux2KleinPipeline for klein: the configured base's class."""
+        found = self._index(self.cfg.model.pretrained_model).get("_class_name")
+        return found if found in (DEV, KLEIN) else DEV
+
+    def variant_of(self, pretrained: str) -> str:
+        index = self._index(pretrained)
+        if index.get("_class_name") != KLEIN:
+            return "dev"
+        from kit.families.identity import part_config
+
+        width = part_config(config_source(self.model_source(pretrained)), "transformer").get(
+            "joint_attention_dim"
+        )
+        size = KLEIN_SIZES.get(width, f"({width}-wide text)")
+        return f"klein {size}" if index.get("is_distilled", False) else f"klein base {size}"
+
+    def distillation(self, pretrained: str) -> str:
+        # klein's pipeline config says `is_distilled` (Flux2KleinPipeline then skips CFG); dev
+        # is guidance-distilled only (it still samples in ~50 steps), the base models not at all.
+        variant = self.variant_of(pretrained)
+        if variant.startswith("klein") and "base" not in variant:
+            return (
+                f"FLUX.2 {variant} is step-distilled (its model_index.json says is_distilled: it "
+                "samples in about 4 steps without CFG); the klein base models are not"
+            )
+        return ""
+
+    def version_metadata(self) -> dict[str, str]:
+        variant = self.variant_of(self.cfg.model.pretrained_model)
+        return {
+            **super().version_metadata(),
+            "modelspec.architecture": "flux-2-" + variant.replace(" ", "-").lower(),
+        }
+
+    def train_guidance_scale(self) -> float:
+        """The guidance fed to a guidance-embedding model in training: configured, else 4.0."""
+        configured = self.cfg.objective.train_guidance_scale
+        return self.default_train_guidance_scale if configured is None else float(configured)
+
+    def max_sequence_length(self) -> int:
+        """Text tokens per caption: the configured length, else the pipelines' 512."""
+        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ------------------------------------------------------------ loading
+
+    quantized_text_encoders = ("text_encoder",)  # a 24B / 4B / 8B LLM, only ever read frozen
+    # BFL's transformer file (ComfyUI's diffusion_models): FLUX.2's global modulation.
+    single_file_markers = ("single_stream_modulation.lin.weight",)
+
+    def identity_extras(self, pretrained, revision):
+        # Embeddings are padded to the text length, so it is part of their key.
+        return self.max_sequence_length()
+
+    def _encoder_class(self, pretrained: str) -> Any:
+        """The text encoder's transformers class, as the base's model_index names it."""
+        import transformers
+
+        entry = self._index(pretrained).get("text_encoder") or []
+        name = entry[1] if len(entry) == 2 else "Mistral3ForConditionalGeneration"
+        return getattr(transformers, name)
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
+        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+        from diffusers import Flux2Transformer2DModel
+
+        return self.load_parts(
+            pretrained,
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(Flux2Transformer2DModel, "transformer"),
+            vae=(AutoencoderKLFlux2, "vae"),
+            encoders=[(self._encoder_class(pretrained), "text_encoder")],
+            tokenizers=list(self._tokenizers(pretrained, revision).values()),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+                self.model_source(pretrained), subfolder="scheduler", revision=revision
+            ),
+        )
+
+    def load_tokenizers(self, pretrained):
+        return self._tokenizers(pretrained, None)
+
+    def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        # dev's `tokenizer` folder is a Pixtral processor; for text-only prompts the pipeline
+        # uses its text tokenizer and chat template alone, which load without torchvision
+        # (the processor's own chat-template call adds no special tokens either).
+        source = self.model_source(pretrained, ("tokenizer",))
+        return {
+            "text_encoder": AutoTokenizer.from_pretrained(
+                source, subfolder="tokenizer", revision=revision
+            )
+        }
+
+    def token_limit(self, encoder, tokenizer):
+        return self.max_sequence_length()
+
+    # ------------------------------------------------------------ encoding
+
+    def encode_text(self, comps, captions):
+        # The pipeline's own encode_prompt (chat template, system message for dev, the stacked
+        # hidden layers). Every caption is padded to max_sequence_length and the transformer
+        # takes no mask (as at sampling), so the embeddings have a fixed shape.
+        pipe = self._pipeline(comps, text_only=True)
+        embeds, _ = pipe.encode_prompt(
+            captions,
+            device=comps.text_encoders[0].device,
+            max_sequence_length=self.max_sequence_length(),
+        )
+        return {"prompt_embeds": embeds}
+
+    @torch.no_grad()
+    def encode_images(self, comps, pixels, generator=None):
+        vae = comps.vae
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        patches = patchify(posterior_latent(dist, generator))
+        mean, std = bn_stats(vae, patches)
+        return unpatchify((patches - mean) / std)
+
+    # ------------------------------------------------------------ training
+
+    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
+        """σ shift for latents of this size: the configured one, else what the pipelines use.
+
+        With dynamic shifting the pipelines take mu from BFL's `compute_empirical_mu` for the
+        packed sequence length and the step count; training uses their default step count
+        (50; above 4300 tokens, about 1.2 MP, mu no longer depends on it).
+        """
+        from diffusers import Flux2Pipeline
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        if self.cfg.objective.flow_shift > 0:
+            return float(self.cfg.objective.flow_shift)
+        if not scheduler_config.get("use_dynamic_shifting", False):
+            return float(scheduler_config.get("shift", 1.0))
+        steps = inspect.signature(Flux2Pipeline.__call__).parameters["num_inference_steps"]
+        mu = compute_empirical_mu((height // 2) * (width // 2), steps.default)
+        # The scheduler's exponential time shift is the σ shift by e^mu; its linear one by mu.
+        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
+
+    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
+        config = comps.noise_scheduler.config
+        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
+        return self.flow_draw(comps, latents, generator, shift)
+
+    def predict(self, comps, noisy, timesteps, cond):
+        transformer = comps.denoiser
+        config = getattr(transformer, "module", transformer).config  # unwrapped under DDP
+        kwargs = transformer_inputs(
+            config, noisy, timesteps, cond["prompt_embeds"], self.train_guidance_scale()
+        )
+        tokens = kwargs["hidden_states"].shape[1]
+        out = transformer(**kwargs, return_dict=False)[0][:, :tokens]
+        return unpack(out, noisy.shape[-2], noisy.shape[-1])
+
+    def swap_blocks(self, denoiser):
+        # The double-stream blocks run first, then the single-stream ones.
+        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
+
+    # ------------------------------------------------------------ sampling
+
+    def pipeline(self, comps):
+        return self._pipeline(comps)
+
+    def _pipeline(self, comps: Components, text_only: bool = False) -> Any:
+        """The base's pipeline class over these parts (without VAE, transformer and scheduler
+        when only `encode_prompt` is needed)."""
+        import diffusers
+
+        index = self._index(self.cfg.model.pretrained_model)
+        klein = type(comps.text_encoders[0]).__name__.startswith("Qwen3")
+        extra = {"is_distilled": bool(index.get("is_distilled", False))} if klein else {}
+        scheduler = None
+        if not text_only:  # a fresh scheduler: sampling changes its state
+            scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
+        return getattr(diffusers, KLEIN if klein else DEV)(
+            scheduler=scheduler,
+            vae=None if text_only else comps.vae,
+            text_encoder=comps.text_encoders[0],
+            tokenizer=comps.tokenizers[0],
+            transformer=None if text_only else comps.denoiser,
+            **extra,
+        )
+
+    def call_kwargs(self, spec):
+        # Neither pipeline takes a negative prompt (klein base draws its CFG against "").
+        kwargs: dict[str, Any] = {
+            "prompt": spec.prompt,
+            "num_inference_steps": spec.num_inference_steps,
+            "guidance_scale": spec.guidance_scale,
+            "width": spec.width,
+            "height": spec.height,
+            "max_sequence_length": self.max_sequence_length(),
+        }
+        if spec.adapter_scale != 1.0:
+            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        return kwargs
+
+    # ------------------------------------------------------------ memory estimate
+
+    def empty_parts(self, pretrained):
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(Flux2Transformer2DModel, "transformer"),
+            vae=(AutoencoderKLFlux2, "vae"),
+            encoders=[(self._encoder_class(pretrained), "text_encoder")],
+        )
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        transformer, vae = parts["denoiser"], parts["vae"]
+        config = transformer.config
+        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2  # the VAE's factor, then 2×2 patches
+        meta = {"device": "meta"}
+        latents = torch.zeros(
+            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
+        )
+        embeds = torch.zeros(batch, self.max_sequence_length(), config.joint_attention_dim, **meta)
+        kwargs = transformer_inputs(
+            config, latents, torch.zeros(batch, **meta), embeds, self.train_guidance_scale()
+        )
+        # The packed image tokens go first: the estimator counts positional inputs as block inputs.
+        return (kwargs.pop("hidden_states"),), kwargs
+
+    # ------------------------------------------------------------ tiny copy
+
+    def make_tiny(self, out_dir, seed=0, kind: str = "dev"):
+        """A tiny random-init FLUX.2 `kind`: "dev" (Mistral3, guidance input), "klein" (Qwen3,
+        step-distilled) or "klein base"."""
+        return make_tiny(out_dir, seed, kind)
+
+    # ------------------------------------------------------------ export
+
+    def kohya_state_dict(self, state, alpha):
+        # One LoRA per fused BFL weight (q, k, v → a double block's qkv).
+        return flux2_layout.kohya_lora(state, alpha)
+
+    def lycoris_naming(self):
+        return flux2_layout.LYCORIS_PREFIX, flux2_layout.lycoris_module
+
+    def client_models(self, comps):
+        # ComfyUI holds FLUX.2 in BFL's layout; its diffusers-name map covers the q, k, v parts.
+        state = comps.denoiser.state_dict()
+        model = adapter_keys.prefixed("diffusion_model.", flux2_layout.to_original(state))
+        return {"ComfyUI": (model, flux2_layout.comfy_aliases(state))}
+
+    def single_file_state_dict(self, comps):
+        # The transformer alone, in BFL's layout: ComfyUI's diffusion model file.
+        return flux2_layout.to_original(comps.denoiser.state_dict())
+
+    def single_file_pipeline(self, path, config_source):
+        import diffusers
+
+        transformer = diffusers.Flux2Transformer2DModel.from_single_file(
+            str(path), config=str(config_source), subfolder="transformer", local_files_only=True
+        )
+        name = model_index(str(config_source)).get("_class_name", DEV)
+        cls = getattr(diffusers, name if name in (DEV, KLEIN) else DEV)
+        return cls.from_pretrained(str(config_source), transformer=transformer)
+
+
+# ------------------------------------------------------------------ tiny models
+
+# Chat templates reduced to what the pipelines send: dev a system and a user message whose
+# content is a list of text parts (Mistral's [SYSTEM_PROMPT] / [INST] format), klein one user
+# message with thinking switched off (Qwen3's format).
+_MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['content'] is string %}"
+    "{% set text = m['content'] %}{% else %}{% set text = m['content'] | "
+    "selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}{% endif %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+_QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+def _byte_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A byte-level BPE vocabulary in which every word of `tiny.WORDS` (after a space) is one
+    token: the vocabulary and merges of the tiny LLM tokenizers."""
+    from kit.families import tiny
+
+    vocab = {c: i for i, c in enumerate(tiny._bytes_to_unicode().values())}
+    merges: list[tuple[str, str]] = []
+    for word in tiny.WORDS:
+        current = "Ġ"
+        for char in word:
+            merged = current + char
+            if merged not in vocab:
+                merges.append((current, char))
+                vocab[merged] = len(vocab)
+            current = merged
+    return vocab, merges
+
+
+def _mistral_tokenizer() -> Any:
+    """A tiny byte-level tokenizer with Mistral's special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab, merges = _byte_bpe()
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=["[INST]", "[/INST]", "[IMG]", "[SYSTEM_PROMPT]"]
+        + ["[/SYSTEM_PROMPT]"],
+        model_max_length=131072,
+    )
+    fast.chat_template = _MISTRAL_TEMPLATE
+    return fast
+
+
+def _qwen_tokenizer() -> Any:
+    """A tiny `Qwen2Tokenizer` (the class klein's pipeline takes) with Qwen3's chat tokens."""
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _byte_bpe()
+    tok = Qwen2Tokenizer(vocab=vocab, merges=merges, model_max_length=131072)
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]}
+    )
+    tok.chat_template = _QWEN_TEMPLATE
+    return tok
+
+
+def _tiny_llm(kind: str, tokenizer: Any) -> Any:
+    """A tiny text encoder of the real class, with enough layers for the pipeline's hidden-state
+    picks (dev: 10, 20, 30 of Mistral3; klein: 9, 18, 27 of Qwen3), each 16 wide."""
+    from transformers import MistralConfig, Mistral3Config, PixtralVisionConfig, Qwen3Config
+    from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+
+    sizes = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "max_position_embeddings": 1024,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if kind.startswith("klein"):
+        return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=28, tie_word_embeddings=True, **sizes))
+    text = MistralConfig(
+        num_hidden_layers=31,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **sizes,
+    )
+    # Mistral3 always has its Pixtral vision tower; one layer of it, never run on text.
+    vision = PixtralVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+    )
+    return Mistral3ForConditionalGeneration(config)
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
+    """Write a tiny random-init FLUX.2 `kind` ("dev", "klein", "klein base") with its pipeline."""
+    import diffusers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
+    from diffusers import Flux2Transformer2DModel
+
+    from kit.families import tiny
+
+    if kind not in ("dev", "klein", "klein base"):
+        raise ValueError(f"kind: {kind!r} is not dev, klein or klein base")
+    torch.manual_seed(seed)
+    klein = kind.startswith("klein")
+    tokenizer = _qwen_tokenizer() if klein else _mistral_tokenizer()
+    text_encoder = _tiny_llm(kind, tokenizer)
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=16,
+        latent_channels=8,
+        sample_size=64,
+    )
+    # Statistics away from (0, 1), so that a missed normalisation shows in the tests.
+    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
+    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
+    transformer = Flux2Transformer2DModel(
+        in_channels=32,  # 8 latent channels × a 2×2 patch
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * 16,  # three stacked hidden states of the 16-wide encoder
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
+        guidance_embeds=not klein,
+    )
+    # FLUX.1-dev's scheduler, which diffusers' FLUX.2 conversion script ships with FLUX.2.
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    parts = {"scheduler": scheduler, "vae": vae, "text_encoder": text_encoder}
+    parts.update(tokenizer=tokenizer, transformer=transformer)
+    if klein:
+        pipe = diffusers.Flux2KleinPipeline(**parts, is_distilled=kind == "klein")
+    else:
+        pipe = diffusers.Flux2Pipeline(**parts)
+    return tiny.save_pipeline(pipe, out_dir)
