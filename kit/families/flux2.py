@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import adapter_keys, flux2_layout, register
+from kit.families import adapter_keys, flux2_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.identity import part_config
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
@@ -163,8 +164,6 @@ class Flux2(Family):
         index = self._index(pretrained)
         if index.get("_class_name") != KLEIN:
             return "dev"
-        from kit.families.identity import part_config
-
         width = part_config(config_source(self.model_source(pretrained)), "transformer").get(
             "joint_attention_dim"
         )
@@ -219,8 +218,7 @@ class Flux2(Family):
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
     ) -> Components:
-        from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
-        from diffusers import Flux2Transformer2DModel
+        import diffusers
 
         return self.load_parts(
             pretrained,
@@ -228,11 +226,11 @@ class Flux2(Family):
             revision=revision,
             variant=variant,
             dtype=dtype,
-            denoiser=(Flux2Transformer2DModel, "transformer"),
-            vae=(AutoencoderKLFlux2, "vae"),
+            denoiser=(diffusers.Flux2Transformer2DModel, "transformer"),
+            vae=(diffusers.AutoencoderKLFlux2, "vae"),
             encoders=[(self._encoder_class(pretrained), "text_encoder")],
             tokenizers=list(self._tokenizers(pretrained, revision).values()),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
                 self.model_source(pretrained), subfolder="scheduler", revision=revision
             ),
         )
@@ -445,9 +443,9 @@ _QWEN_TEMPLATE = (
 def _byte_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A byte-level BPE vocabulary in which every word of `tiny.WORDS` (after a space) is one
     token: the vocabulary and merges of the tiny LLM tokenizers."""
-    from kit.families import tiny
+    from tokenizers.pre_tokenizers import ByteLevel
 
-    vocab = {c: i for i, c in enumerate(tiny._bytes_to_unicode().values())}
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
     merges: list[tuple[str, str]] = []
     for word in tiny.WORDS:
         current = "Ġ"
@@ -499,8 +497,7 @@ def _qwen_tokenizer() -> Any:
 def _tiny_llm(kind: str, tokenizer: Any) -> Any:
     """A tiny text encoder of the real class, with enough layers for the pipeline's hidden-state
     picks (dev: 10, 20, 30 of Mistral3; klein: 9, 18, 27 of Qwen3), each 16 wide."""
-    from transformers import MistralConfig, Mistral3Config, PixtralVisionConfig, Qwen3Config
-    from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+    import transformers as tf
 
     sizes = {
         "vocab_size": len(tokenizer),
@@ -513,15 +510,16 @@ def _tiny_llm(kind: str, tokenizer: Any) -> Any:
         "pad_token_id": tokenizer.pad_token_id,
     }
     if kind.startswith("klein"):
-        return Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=28, tie_word_embeddings=True, **sizes))
-    text = MistralConfig(
+        config = tf.Qwen3Config(num_hidden_layers=28, tie_word_embeddings=True, **sizes)
+        return tf.Qwen3ForCausalLM(config)
+    text = tf.MistralConfig(
         num_hidden_layers=31,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         **sizes,
     )
     # Mistral3 always has its Pixtral vision tower; one layer of it, never run on text.
-    vision = PixtralVisionConfig(
+    vision = tf.PixtralVisionConfig(
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
@@ -530,22 +528,18 @@ def _tiny_llm(kind: str, tokenizer: Any) -> Any:
         image_size=28,
         patch_size=14,
     )
-    config = Mistral3Config(
+    config = tf.Mistral3Config(
         vision_config=vision,
         text_config=text,
         image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
         spatial_merge_size=2,
     )
-    return Mistral3ForConditionalGeneration(config)
+    return tf.Mistral3ForConditionalGeneration(config)
 
 
 def make_tiny(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
     """Write a tiny random-init FLUX.2 `kind` ("dev", "klein", "klein base") with its pipeline."""
     import diffusers
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler
-    from diffusers import Flux2Transformer2DModel
-
-    from kit.families import tiny
 
     if kind not in ("dev", "klein", "klein base"):
         raise ValueError(f"kind: {kind!r} is not dev, klein or klein base")
@@ -553,7 +547,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
     klein = kind.startswith("klein")
     tokenizer = _qwen_tokenizer() if klein else _mistral_tokenizer()
     text_encoder = _tiny_llm(kind, tokenizer)
-    vae = AutoencoderKLFlux2(
+    vae = diffusers.AutoencoderKLFlux2(
         down_block_types=("DownEncoderBlock2D",) * 4,
         up_block_types=("UpDecoderBlock2D",) * 4,
         block_out_channels=(16, 32, 32, 32),
@@ -565,7 +559,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
     # Statistics away from (0, 1), so that a missed normalisation shows in the tests.
     vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
     vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
-    transformer = Flux2Transformer2DModel(
+    transformer = diffusers.Flux2Transformer2DModel(
         in_channels=32,  # 8 latent channels × a 2×2 patch
         num_layers=1,
         num_single_layers=1,
@@ -577,7 +571,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
         guidance_embeds=not klein,
     )
     # FLUX.1-dev's scheduler, which diffusers' FLUX.2 conversion script ships with FLUX.2.
-    scheduler = FlowMatchEulerDiscreteScheduler(
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000,
         shift=3.0,
         use_dynamic_shifting=True,
