@@ -104,11 +104,19 @@ FAMILY_SAMPLERS: dict[str, tuple[str, ...]] = {
     "sd3": _FLOW,
     # FluxPipeline passes custom sigmas, which the flow Heun scheduler cannot take.
     "flux": tuple(s for s in _FLOW if s != "flow_heun"),
+    "flux2": tuple(s for s in _FLOW if s != "flow_heun"),  # the same custom sigmas (and mu)
     "wan": _FLOW,
 }
 """The samplers each family's pipeline can draw with; a family not listed keeps its own."""
 
-SIZE_MULTIPLE: dict[str, int] = {"sd15": 8, "sdxl": 8, "sd3": 16, "flux": 16, "wan": 16}
+SIZE_MULTIPLE: dict[str, int] = {
+    "sd15": 8,
+    "sdxl": 8,
+    "sd3": 16,
+    "flux": 16,
+    "flux2": 16,
+    "wan": 16,
+}
 """What a drawn image's width and height must be multiples of: the VAE's 8× and, for the
 transformers, their 2×2 patches (the pipelines refuse or silently round other sizes)."""
 
