@@ -144,6 +144,8 @@ def test_variants_and_distillation_come_from_the_configs(tiny_dev, tiny_klein, t
     assert shipped.variant_of("black-forest-labs/FLUX.2-klein-4B") == "klein 4B"
     assert shipped.variant_of("black-forest-labs/FLUX.2-klein-9B") == "klein 9B"
     assert shipped.variant_of("black-forest-labs/FLUX.2-dev") == "dev"
+    assert shipped.variant_of("black-forest-labs/FLUX.2-klein-base-4B") == "klein base 4B"
+    assert shipped.distillation("black-forest-labs/FLUX.2-klein-base-9B") == ""
     assert "klein 9B" in shipped.distillation("black-forest-labs/FLUX.2-klein-9B")
     assert shipped.version_metadata()["modelspec.architecture"] == "flux-2-klein-9b"
     assert set(dev.variants) >= {"dev", "klein 4B", "klein 9B"}
