@@ -211,3 +211,19 @@ def test_refusals():
     cfg = Config().replace(model_family="flux2", train_text_encoder=True)
     with pytest.raises(ConfigError, match="text encoders"):
         get_method(cfg, get_family("flux2", cfg)).attach  # noqa: B018
+
+
+def test_a_processor_folders_chat_template_is_found(tiny_dev, tmp_path):
+    """The released dev's `tokenizer/` is a Pixtral processor whose template may sit in the
+    processor's own `chat_template.json`, which a tokenizer does not read."""
+    copy = tmp_path / "base"
+    shutil.copytree(tiny_dev, copy)
+    folder = copy / "tokenizer"
+    template = _family(tiny_dev).load_tokenizers(str(tiny_dev))["text_encoder"].chat_template
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    loaded = _family(copy).load_tokenizers(str(copy))["text_encoder"]
+    assert template and loaded.chat_template == template
