@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from kit.config import Config
 from kit.errors import ConfigError
-from kit.families import get_family
+from kit.families import flux2, get_family
 from kit.families.flux2 import patchify, unpack
 
 CAPTION = "a small red circle on a blue background"
@@ -227,3 +227,18 @@ def test_a_processor_folders_chat_template_is_found(tiny_dev, tmp_path):
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     loaded = _family(copy).load_tokenizers(str(copy))["text_encoder"]
     assert template and loaded.chat_template == template
+
+
+@pytest.mark.parametrize("which", ["dev", "klein"])
+def test_token_limit_leaves_the_templates_tokens(which, tiny_dev, tiny_klein):
+    """A caption of exactly `token_limit` tokens fills the pipeline's padded length."""
+    path = tiny_dev if which == "dev" else tiny_klein
+    family = _family(path, max_sequence_length=200)
+    tokenizer = family.load_tokenizers(str(path))["text_encoder"]
+    limit = family.token_limit("text_encoder", tokenizer)
+    assert 2 < limit < 200
+    caption = " ".join(["dog"] * 400)
+    ids = tokenizer(caption, add_special_tokens=False).input_ids[:limit]
+    text = tokenizer.decode(ids)
+    full = tokenizer(flux2.chat_prompt(tokenizer, text), add_special_tokens=False).input_ids
+    assert len(full) == 200

@@ -67,6 +67,19 @@ def processor_chat_template(source: str, revision: str | None = None) -> str | N
     return None
 
 
+def chat_prompt(tokenizer: Any, caption: str) -> str:
+    """A caption as the pipelines wrap it: Qwen3's user turn without thinking (klein), or dev's
+    system message and user turn (`format_input`)."""
+    if type(tokenizer).__name__.startswith("Qwen2"):
+        turn = [{"role": "user", "content": caption}]
+        return tokenizer.apply_chat_template(
+            turn, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    return tokenizer.apply_chat_template(format_input([caption])[0], tokenize=False)
+
+
 def patchify(latents: torch.Tensor) -> torch.Tensor:
     """(B, C, h, w) → (B, 4C, h/2, w/2), each 2×2 patch's values as channels (the pipeline's)."""
     from diffusers import Flux2Pipeline
@@ -268,7 +281,9 @@ class Flux2(Family):
         return {"text_encoder": tokenizer}
 
     def token_limit(self, encoder, tokenizer):
-        return self.max_sequence_length()
+        # The chat template (and dev's system message) take their tokens out of the same
+        # length: what is left is the caption's.
+        return self.max_sequence_length() - len(tokenizer(chat_prompt(tokenizer, "")).input_ids)
 
     # ------------------------------------------------------------ encoding
 
