@@ -158,6 +158,9 @@ def test_klein_samples_through_its_own_pipeline(tiny_klein):
     comps = family.load(str(tiny_klein))
     pipe = family.pipeline(comps)
     assert isinstance(pipe, Flux2KleinPipeline) and pipe.config.is_distilled
+    # The parts say which pipeline they need, whatever base the config names.
+    other = get_family("flux2").pipeline(comps)
+    assert isinstance(other, Flux2KleinPipeline) and other.config.is_distilled
     cond = family.encode_text(comps, [CAPTION, "a dog"])
     assert cond["prompt_embeds"].shape == (2, 16, comps.denoiser.config.joint_attention_dim)
 

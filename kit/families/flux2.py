@@ -357,7 +357,7 @@ class Flux2(Family):
         when only `encode_prompt` is needed)."""
         import diffusers
 
-        index = self._index(self.cfg.model.pretrained_model)
+        index = model_index(comps.source, self.cfg.model.revision)  # where these parts came from
         klein = type(comps.text_encoders[0]).__name__.startswith("Qwen3")
         extra = {"is_distilled": bool(index.get("is_distilled", False))} if klein else {}
         scheduler = None
