@@ -290,13 +290,15 @@ def test_encode_images_draws_a_seeded_posterior_sample_on_request(name, tiny_bas
     assert one.shape == mean.shape
     # An image family may drop that one frame from its latents.
     one, mean = one.reshape(dist.mean.shape), mean.reshape(dist.mean.shape)
-    # mean + std · ε with ε from the seed, through the family's per-channel latent scaling.
+    # mean + std · ε with ε from the seed, through the family's latent scaling: one factor per
+    # channel, or (FLUX.2, normalised over 2×2 patches) per channel and position in a patch.
     noise = torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(7))
     ratio = (one - mean) / (dist.std * noise)
     usable = noise.abs() > 0.1
     for c in range(ratio.shape[1]):
-        r = ratio[:, c][usable[:, c]]
-        assert r.min() > 0 and r.max() - r.min() < 1e-3 * r.max(), c
+        for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            r = ratio[:, c, ..., i::2, j::2][usable[:, c, ..., i::2, j::2]]
+            assert r.min() > 0 and r.max() - r.min() < 1e-3 * r.max(), (c, i, j)
 
 
 def test_the_cache_keeps_posterior_samples_under_their_own_seeded_keys(make_config):

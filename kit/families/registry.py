@@ -104,6 +104,13 @@ FAMILIES: dict[str, FamilyInfo] = {
             hub_id="lodestones/Chroma1-HD",
         ),
         FamilyInfo(
+            "flux2",
+            "kit.families.flux2",
+            bucket_step=64,
+            native_resolution=1024,
+            hub_id="black-forest-labs/FLUX.2-dev",
+        ),
+        FamilyInfo(
             "wan",
             "kit.families.wan",
             bucket_step=16,

@@ -1,0 +1,466 @@
+"""FLUX.2 (dev; klein 4B / 9B and their base models): a flow-matching MMDiT on 2×2 patches of a
+32-channel VAE's latents, conditioned on hidden states of an LLM (Mistral Small 3.1 for dev,
+Qwen3 for klein).
+
+The cache holds the VAE latents normalised as the pipelines normalise them (patchified, then
+the VAE's batch-norm mean and std), unpatchified back to (B, C, H/8, W/8); patchifying,
+packing and the 4-axis position ids are built per step exactly as `Flux2Pipeline` builds them.
+Which model a base is (dev, klein, base or step-distilled) is read from its `model_index.json`
+(the pipeline class and klein's `is_distilled`) and its transformer's config.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kit.errors import ConfigError
+from kit.families import adapter_keys, flux2_layout, flux2_tiny, register
+from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.identity import part_config
+from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.shipped import config_source
+
+if TYPE_CHECKING:
+    from kit.config import Config
+
+DEFAULT_MAX_SEQUENCE_LENGTH = 512  # both pipelines' default text length
+DEV, KLEIN = "Flux2Pipeline", "Flux2KleinPipeline"
+# klein's size by its text width (3 stacked hidden states of Qwen3 4B / 8B).
+KLEIN_SIZES = {7680: "4B", 12288: "9B"}
+
+
+@functools.lru_cache(maxsize=32)
+def model_index(source: str, revision: str | None = None) -> dict[str, Any]:
+    """A base's `model_index.json` (a folder's, the shipped copy's, or downloaded alone);
+    empty when it cannot be read (a single file's `model_config`, or no network)."""
+    path = Path(config_source(source)) / "model_index.json"
+    try:
+        if not path.parent.is_dir():
+            from huggingface_hub import hf_hub_download
+
+            path = Path(hf_hub_download(source, "model_index.json", revision=revision))
+        return json.loads(path.read_text(encoding="utf-8"))
+    except Exception:  # noqa: BLE001 - any failure means: not known here
+        return {}
+
+
+def processor_chat_template(source: str, revision: str | None = None) -> str | None:
+    """The chat template a processor folder (`tokenizer/`) keeps in its own file
+    (`chat_template.json`, or `.jinja`), which a tokenizer loaded from it does not read."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        path = Path(source) / "tokenizer" / name
+        try:
+            if not Path(source).is_dir():
+                from huggingface_hub import hf_hub_download
+
+                path = Path(hf_hub_download(source, name, subfolder="tokenizer", revision=revision))
+            text = path.read_text(encoding="utf-8")
+        except Exception:  # noqa: BLE001 - absent here: try the other name
+            continue
+        return json.loads(text)["chat_template"] if name.endswith(".json") else text
+    return None
+
+
+def chat_prompt(tokenizer: Any, caption: str) -> str:
+    """A caption as the pipelines wrap it: Qwen3's user turn without thinking (klein), or dev's
+    system message and user turn (`format_input`)."""
+    if type(tokenizer).__name__.startswith("Qwen2"):
+        turn = [{"role": "user", "content": caption}]
+        return tokenizer.apply_chat_template(
+            turn, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+
+    return tokenizer.apply_chat_template(format_input([caption])[0], tokenize=False)
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) → (B, 4C, h/2, w/2), each 2×2 patch's values as channels (the pipeline's)."""
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline._patchify_latents(latents)
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    """The inverse of `patchify`."""
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline._unpatchify_latents(latents)
+
+
+def bn_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's batch-norm mean and std over patchified channels, as the pipelines read them."""
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
+
+
+def transformer_inputs(
+    config: Any,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    guidance_scale: float,
+) -> dict[str, Any]:
+    """Flux2Transformer2DModel's arguments for unpatchified latents, as the pipelines build them."""
+    from diffusers import Flux2Pipeline
+
+    patches = patchify(latents)
+    device, dtype = latents.device, latents.dtype
+    guidance = None
+    if config.guidance_embeds:  # dev: the distilled guidance is an input; klein has none
+        guidance = torch.full((latents.shape[0],), guidance_scale, device=device).float()
+    return {
+        "hidden_states": Flux2Pipeline._pack_latents(patches),
+        # The pipelines feed σ in [0, 1] (their timesteps / 1000); the model scales it back.
+        "timestep": timesteps.to(dtype) / 1000,
+        "guidance": guidance,
+        "encoder_hidden_states": prompt_embeds.to(device, dtype),
+        "txt_ids": Flux2Pipeline._prepare_text_ids(prompt_embeds).to(device),
+        "img_ids": Flux2Pipeline._prepare_latent_ids(patches).to(device),
+    }
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Packed patch tokens back to unpatchified (B, C, height, width) latents."""
+    b, _, channels = tokens.shape
+    return unpatchify(tokens.transpose(1, 2).reshape(b, channels, height // 2, width // 2))
+
+
+@register
+class Flux2(Family):
+    """FLUX.2 dev (guidance embedding, Mistral3) or klein (Qwen3), read from the base's configs."""
+
+    name = "flux2"
+    # The pipelines hand the scheduler custom sigmas (and mu), which flow Heun cannot take.
+    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    size_multiple = 16
+    native_resolution = 1024
+    hub_id = "black-forest-labs/FLUX.2-dev"
+    bucket_step = 64
+    # The double blocks' attention, and the single blocks' fused q, k, v and MLP input (their
+    # `attn.to_out` is not named: `to_out` would also match the double blocks' ModuleList).
+    default_lora_targets = (
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out.0",
+        "add_q_proj",
+        "add_k_proj",
+        "add_v_proj",
+        "to_add_out",
+        "to_qkv_mlp_proj",
+    )
+    # Both pipelines sample with 4.0 by default: dev's distilled guidance input, klein base's
+    # CFG scale (klein's step-distilled pipeline ignores it).
+    # The guidance fed to dev in training: its pipeline's default (diffusers' FLUX.2 LoRA script
+    # keeps FLUX.1's 3.5 as its `--guidance_scale` default; `train_guidance_scale` sets either).
+    default_train_guidance_scale = 4.0
+    lora_layers_kwarg = "transformer_lora_layers"
+    # Flux2LoraLoaderMixin loads LoRA into the transformer only.
+    kohya_text_prefixes = ()
+    diffusers_reads_kohya = True  # `_convert_kohya_flux2_lora_to_diffusers`
+    kohya_dora = False  # a fused qkv's DoRA would need the untrained parts' norms
+    base_model_version = "flux2"
+    modelspec_implementation = "https://github.com/black-forest-labs/flux2"
+    export_formats = ("diffusers", "kohya")
+    variants = ("dev", "klein 4B", "klein 9B", "klein base 4B", "klein base 9B")
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        super().__init__(cfg)
+        step = self.cfg.data.bucket_step
+        if step % 16:
+            # Patchifying needs an even latent side: 2 × the VAE's 8x.
+            raise ConfigError(
+                f"bucket_step: {step} must be a multiple of 16 for flux2 (64 is usual)"
+            )
+
+    # ------------------------------------------------------------ variants
+
+    def _index(self, pretrained: str) -> dict[str, Any]:
+        return model_index(self.model_source(pretrained), self.cfg.model.revision)
+
+    @property
+    def pipeline_class(self) -> str:  # type: ignore[override]
+        """Flux2Pipeline for dev, Flux2KleinPipeline for klein: the configured base's class."""
+        found = self._index(self.cfg.model.pretrained_model).get("_class_name")
+        return found if found in (DEV, KLEIN) else DEV
+
+    def variant_of(self, pretrained: str) -> str:
+        index = self._index(pretrained)
+        if index.get("_class_name") != KLEIN:
+            return "dev"
+        width = part_config(config_source(self.model_source(pretrained)), "transformer").get(
+            "joint_attention_dim"
+        )
+        size = KLEIN_SIZES.get(width, f"({width}-wide text)")
+        return f"klein {size}" if index.get("is_distilled", False) else f"klein base {size}"
+
+    def distillation(self, pretrained: str) -> str:
+        # klein's pipeline config says `is_distilled` (Flux2KleinPipeline then skips CFG); dev
+        # is guidance-distilled only (it still samples in ~50 steps), the base models not at all.
+        variant = self.variant_of(pretrained)
+        if variant.startswith("klein") and "base" not in variant:
+            return (
+                f"FLUX.2 {variant} is step-distilled (its model_index.json says is_distilled: it "
+                "samples in about 4 steps without CFG); the klein base models are not"
+            )
+        return ""
+
+    def _distilled(self) -> bool:
+        return bool(self.distillation(self.cfg.model.pretrained_model or self.hub_id))
+
+    @property
+    def default_num_inference_steps(self) -> int:  # type: ignore[override]
+        """The pipelines' 50 steps; a step-distilled klein draws in 4, as its model card does."""
+        return 4 if self._distilled() else 50
+
+    @property
+    def default_guidance_scale(self) -> float:  # type: ignore[override]
+        """The pipelines' 4.0; a step-distilled klein samples without guidance (1.0)."""
+        return 1.0 if self._distilled() else 4.0
+
+    def version_metadata(self) -> dict[str, str]:
+        variant = self.variant_of(self.cfg.model.pretrained_model)
+        return {
+            **super().version_metadata(),
+            "modelspec.architecture": "flux-2-" + variant.replace(" ", "-").lower(),
+        }
+
+    def train_guidance_scale(self) -> float:
+        """The guidance fed to a guidance-embedding model in training: configured, else 4.0."""
+        configured = self.cfg.objective.train_guidance_scale
+        return self.default_train_guidance_scale if configured is None else float(configured)
+
+    def max_sequence_length(self) -> int:
+        """Text tokens per caption: the configured length, else the pipelines' 512."""
+        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+
+    # ------------------------------------------------------------ loading
+
+    quantized_text_encoders = ("text_encoder",)  # a 24B / 4B / 8B LLM, only ever read frozen
+    # BFL's transformer file (ComfyUI's diffusion_models): FLUX.2's global modulation.
+    single_file_markers = ("single_stream_modulation.lin.weight",)
+
+    def identity_extras(self, pretrained, revision):
+        # Embeddings are padded to the text length, so it is part of their key.
+        return self.max_sequence_length()
+
+    def _encoder_class(self, pretrained: str) -> Any:
+        """The text encoder's transformers class, as the base's model_index names it."""
+        import transformers
+
+        entry = self._index(pretrained).get("text_encoder") or []
+        name = entry[1] if len(entry) == 2 else "Mistral3ForConditionalGeneration"
+        return getattr(transformers, name)
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
+        import diffusers
+
+        return self.load_parts(
+            pretrained,
+            parts,
+            revision=revision,
+            variant=variant,
+            dtype=dtype,
+            denoiser=(diffusers.Flux2Transformer2DModel, "transformer"),
+            vae=(diffusers.AutoencoderKLFlux2, "vae"),
+            encoders=[(self._encoder_class(pretrained), "text_encoder")],
+            tokenizers=list(self._tokenizers(pretrained, revision).values()),
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
+                self.model_source(pretrained), subfolder="scheduler", revision=revision
+            ),
+        )
+
+    def load_tokenizers(self, pretrained):
+        return self._tokenizers(pretrained, None)
+
+    def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
+        from transformers import AutoTokenizer
+
+        # dev's `tokenizer` folder is a Pixtral processor; for text-only prompts the pipeline
+        # uses its text tokenizer and chat template alone, which load without torchvision
+        # (the processor's own chat-template call adds no special tokens either).
+        source = self.model_source(pretrained, ("tokenizer",))
+        tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        if tokenizer.chat_template is None:  # a processor's template, which tokenizers skip
+            tokenizer.chat_template = processor_chat_template(source, revision)
+        return {"text_encoder": tokenizer}
+
+    def token_limit(self, encoder, tokenizer):
+        # The chat template (and dev's system message) take their tokens out of the same
+        # length: what is left is the caption's.
+        return self.max_sequence_length() - len(tokenizer(chat_prompt(tokenizer, "")).input_ids)
+
+    # ------------------------------------------------------------ encoding
+
+    def encode_text(self, comps, captions):
+        # The pipeline's own encode_prompt (chat template, system message for dev, the stacked
+        # hidden layers). Every caption is padded to max_sequence_length and the transformer
+        # takes no mask (as at sampling), so the embeddings have a fixed shape.
+        pipe = self._pipeline(comps, text_only=True)
+        embeds, _ = pipe.encode_prompt(
+            captions,
+            device=comps.text_encoders[0].device,
+            max_sequence_length=self.max_sequence_length(),
+        )
+        return {"prompt_embeds": embeds}
+
+    @torch.no_grad()
+    def encode_images(self, comps, pixels, generator=None):
+        vae = comps.vae
+        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        patches = patchify(posterior_latent(dist, generator))
+        mean, std = bn_stats(vae, patches)
+        return unpatchify((patches - mean) / std)
+
+    # ------------------------------------------------------------ training
+
+    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
+        """σ shift for latents of this size: the configured one, else what the pipelines use.
+
+        With dynamic shifting the pipelines take mu from BFL's `compute_empirical_mu` for the
+        packed sequence length and the step count; training uses their default step count
+        (50; above 4300 tokens, about 1.2 MP, mu no longer depends on it).
+        """
+        from diffusers import Flux2Pipeline
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+        if self.cfg.objective.flow_shift > 0:
+            return float(self.cfg.objective.flow_shift)
+        if not scheduler_config.get("use_dynamic_shifting", False):
+            return float(scheduler_config.get("shift", 1.0))
+        steps = inspect.signature(Flux2Pipeline.__call__).parameters["num_inference_steps"]
+        mu = compute_empirical_mu((height // 2) * (width // 2), steps.default)
+        # The scheduler's exponential time shift is the σ shift by e^mu; its linear one by mu.
+        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
+
+    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
+        config = comps.noise_scheduler.config
+        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
+        return self.flow_draw(comps, latents, generator, shift)
+
+    def predict(self, comps, noisy, timesteps, cond):
+        transformer = comps.denoiser
+        config = getattr(transformer, "module", transformer).config  # unwrapped under DDP
+        kwargs = transformer_inputs(
+            config, noisy, timesteps, cond["prompt_embeds"], self.train_guidance_scale()
+        )
+        tokens = kwargs["hidden_states"].shape[1]
+        out = transformer(**kwargs, return_dict=False)[0][:, :tokens]
+        return unpack(out, noisy.shape[-2], noisy.shape[-1])
+
+    def swap_blocks(self, denoiser):
+        # The double-stream blocks run first, then the single-stream ones.
+        return [*denoiser.transformer_blocks, *denoiser.single_transformer_blocks]
+
+    # ------------------------------------------------------------ sampling
+
+    def pipeline(self, comps):
+        return self._pipeline(comps)
+
+    def _pipeline(self, comps: Components, text_only: bool = False) -> Any:
+        """The base's pipeline class over these parts (without VAE, transformer and scheduler
+        when only `encode_prompt` is needed)."""
+        import diffusers
+
+        index = model_index(comps.source, self.cfg.model.revision)  # where these parts came from
+        klein = type(comps.text_encoders[0]).__name__.startswith("Qwen3")
+        extra = {"is_distilled": bool(index.get("is_distilled", False))} if klein else {}
+        scheduler = None
+        if not text_only:  # a fresh scheduler: sampling changes its state
+            scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
+        return getattr(diffusers, KLEIN if klein else DEV)(
+            scheduler=scheduler,
+            vae=None if text_only else comps.vae,
+            text_encoder=comps.text_encoders[0],
+            tokenizer=comps.tokenizers[0],
+            transformer=None if text_only else comps.denoiser,
+            **extra,
+        )
+
+    def call_kwargs(self, spec):
+        # Neither pipeline takes a negative prompt (klein base draws its CFG against "").
+        kwargs: dict[str, Any] = {
+            "prompt": spec.prompt,
+            "num_inference_steps": spec.num_inference_steps,
+            "guidance_scale": spec.guidance_scale,
+            "width": spec.width,
+            "height": spec.height,
+            "max_sequence_length": self.max_sequence_length(),
+        }
+        if spec.adapter_scale != 1.0:
+            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        return kwargs
+
+    # ------------------------------------------------------------ memory estimate
+
+    def empty_parts(self, pretrained):
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+        return self.empty_from_configs(
+            pretrained,
+            denoiser=(Flux2Transformer2DModel, "transformer"),
+            vae=(AutoencoderKLFlux2, "vae"),
+            encoders=[(self._encoder_class(pretrained), "text_encoder")],
+        )
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        transformer, vae = parts["denoiser"], parts["vae"]
+        config = transformer.config
+        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2  # the VAE's factor, then 2×2 patches
+        meta = {"device": "meta"}
+        latents = torch.zeros(
+            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
+        )
+        embeds = torch.zeros(batch, self.max_sequence_length(), config.joint_attention_dim, **meta)
+        kwargs = transformer_inputs(
+            config, latents, torch.zeros(batch, **meta), embeds, self.train_guidance_scale()
+        )
+        # The packed image tokens go first: the estimator counts positional inputs as block inputs.
+        return (kwargs.pop("hidden_states"),), kwargs
+
+    # ------------------------------------------------------------ tiny copy
+
+    def make_tiny(self, out_dir, seed=0, kind: str = "dev"):
+        """A tiny random-init FLUX.2 `kind`: "dev" (Mistral3, guidance input), "klein" (Qwen3,
+        step-distilled) or "klein base"."""
+        return flux2_tiny.make(out_dir, seed, kind)
+
+    # ------------------------------------------------------------ export
+
+    def kohya_state_dict(self, state, alpha):
+        # One LoRA per fused BFL weight (q, k, v → a double block's qkv).
+        return flux2_layout.kohya_lora(state, alpha)
+
+    def lycoris_naming(self):
+        return flux2_layout.LYCORIS_PREFIX, flux2_layout.lycoris_module
+
+    def client_models(self, comps):
+        # ComfyUI holds FLUX.2 in BFL's layout; its diffusers-name map covers the q, k, v parts.
+        state = comps.denoiser.state_dict()
+        model = adapter_keys.prefixed("diffusion_model.", flux2_layout.to_original(state))
+        return {"ComfyUI": (model, flux2_layout.comfy_aliases(state))}
+
+    def single_file_state_dict(self, comps):
+        # The transformer alone, in BFL's layout: ComfyUI's diffusion model file.
+        return flux2_layout.to_original(comps.denoiser.state_dict())
+
+    def single_file_pipeline(self, path, config_source):
+        import diffusers
+
+        transformer = diffusers.Flux2Transformer2DModel.from_single_file(
+            str(path), config=str(config_source), subfolder="transformer", local_files_only=True
+        )
+        name = model_index(str(config_source)).get("_class_name", DEV)
+        cls = getattr(diffusers, name if name in (DEV, KLEIN) else DEV)
+        return cls.from_pretrained(str(config_source), transformer=transformer)
