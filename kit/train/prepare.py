@@ -20,7 +20,7 @@ from kit.families import quantize as quant
 from kit.families.loading import load_base
 from kit.io import write_text
 from kit.methods import get_method
-from kit.optim import make_optimizer, make_scheduler
+from kit.optim import check_optimizer, make_optimizer, make_scheduler
 from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run import threads
@@ -65,6 +65,7 @@ def prepare(
         deepspeed=deepspeed_launch(),
     )
     check_compile(t.compile, t.blocks_to_swap, deepspeed_launch(), device)
+    check_optimizer(t, deepspeed_launch())  # a missing package, before anything loads
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     refuse_mixed_runs(run, resume, overwrite)
