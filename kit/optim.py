@@ -177,6 +177,12 @@ def adamw_kernel(params: list[Any]) -> dict[str, bool]:
     return {}
 
 
+def learning_rate(optimizer: Any, scheduler: Any) -> float:
+    """The learning rate to log: the schedule's, or a schedule-free optimizer's own warm-up
+    (the rate its last step took)."""
+    return optimizer.param_groups[0].get("scheduled_lr") or scheduler.get_last_lr()[0]
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, num_processes: int = 1) -> Any:
     """The configured diffusers learning-rate schedule (accelerate steps it once per process)."""
     from diffusers.optimization import get_scheduler

@@ -135,6 +135,19 @@ def test_schedule_free_refuses_a_schedule_and_deepspeed():
     check_optimizer(TrainConfig(optimizer="lion"), deepspeed=True)  # Lion and CAME may
 
 
+def test_textual_inversion_refuses_schedule_free(tiny_sd15):
+    from kit.config import from_dict
+    from kit.families import get_family
+    from kit.methods import get_method
+    from tests.conftest import TEXTUAL_INVERSION
+
+    fields = {"pretrained_model": str(tiny_sd15), **TEXTUAL_INVERSION}
+    cfg = from_dict({**fields, "optimizer": "schedulefree"})
+    with pytest.raises(ConfigError, match="textual_inversion cannot train with optimizer sched"):
+        get_method(cfg, get_family("sd15", cfg))
+    get_method(from_dict({**fields, "optimizer": "lion"}), get_family("sd15", cfg))
+
+
 def test_schedule_free_warms_up_itself_under_a_constant_schedule():
     """`constant_with_warmup` is accepted, and the warm-up happens once: in the optimizer."""
     t = TrainConfig(optimizer="schedulefree", lr_scheduler="constant_with_warmup", **SETTINGS)
@@ -170,29 +183,36 @@ SCHEDULE_FREE_RUN = {
 
 def test_schedule_free_checkpoints_hold_the_averaged_weights(tmp_path, make_config):
     """At a checkpoint the trained parameters are the optimizer's eval-mode average (x), not the
-    point it takes gradients at (y); the next step trains in train mode again."""
+    point it takes gradients at (y). The next step trains in train mode again (the optimizer
+    refuses to step in eval mode)."""
     box, seen = {}, {}
 
     def watch(event):
         s = box["s"]
+        if event["kind"] == "step":
+            seen[event["step"]] = {k: v.clone() for k, v in s.method.state_dict(s.comps).items()}
         if event["kind"] == "checkpoint" and event["step"] == 2:
             seen["train_mode"] = s.optimizer.param_groups[0]["train_mode"]
             seen["eval"] = {k: v.clone() for k, v in s.method.state_dict(s.comps).items()}
             s.optimizer.train()
             seen["train"] = {k: v.clone() for k, v in s.method.state_dict(s.comps).items()}
             s.optimizer.eval()
-        if event["kind"] == "step" and event["step"] == 3:
-            seen["after"] = s.optimizer.param_groups[0]["train_mode"]
 
-    cfg = load_config(make_config(**{**SCHEDULE_FREE_RUN, "max_train_steps": 4, "ema_decay": 0}))
+    cfg = load_config(make_config(**{**SCHEDULE_FREE_RUN, "max_train_steps": 3}))
     box["s"] = s = prepare(cfg, callbacks=[watch])
     fit(s)
     saved = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 2) / ckpt.ADAPTER_FILE))
-    assert seen["train_mode"] is False and seen["after"] is True
+    assert seen["train_mode"] is False
     assert all(torch.equal(saved[k], seen["eval"][k]) for k in saved)
     assert any(not torch.allclose(saved[k], seen["train"][k]) for k in saved)
+    # The EMA averaged the same weights: after step 1 it is x1 (its decay warms up from 0),
+    # then 2/11 of it and 9/11 of x2 (diffusers' EMAModel warm-up, (1 + n) / (10 + n)).
+    ema = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 2) / ckpt.EMA_FILE))
+    for k in ema:
+        want = seen[1][k] * 2 / 11 + seen[2][k] * 9 / 11
+        torch.testing.assert_close(ema[k], want, rtol=0, atol=1e-7)
     # After the last step the parameters stay on the average: what the final checkpoint holds.
-    final = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 4) / ckpt.ADAPTER_FILE))
+    final = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 3) / ckpt.ADAPTER_FILE))
     now = s.method.state_dict(s.comps)
     assert s.optimizer.param_groups[0]["train_mode"] is False
     assert all(torch.equal(final[k], now[k]) for k in final)
@@ -225,6 +245,8 @@ def test_schedule_free_resume_matches_the_straight_run(tmp_path, make_config):
         assert all(torch.equal(v, ob["state"][i][k]) for k, v in st.items())
     rows = [json.loads(x) for x in (b / "logs/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 5))
+    # The log shows the optimizer's own warm-up (2 steps), not the constant schedule.
+    assert [r["lr"] for r in rows] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
 
 
 @pytest.mark.parametrize("name", ["lion", "came"])
@@ -237,3 +259,18 @@ def test_lion_and_came_train_the_tiny_model(tmp_path, make_config, name):
     # LoRA's up matrices start at zero: any that moved was trained.
     ups = [v for k, v in weights.items() if "lora_B" in k or "lora_up" in k]
     assert ups and any(v.abs().sum() > 0 for v in ups)
+
+
+def test_the_estimate_and_advice_take_each_optimizer(tiny_sd15):
+    """The estimate counts each optimizer's state on the real trained shapes; the advice starts
+    from any of them."""
+    from kit.config import from_dict
+    from kit.preflight.advice import options
+    from kit.preflight.estimate import estimate
+
+    cfg = from_dict({"pretrained_model": str(tiny_sd15), "resolution": 64, "optimizer": "came"})
+    state = {o: estimate(cfg, optimizer=o).components["optimizer_state"] for o in OPTIMIZERS}
+    assert state["lion"] * 2 == state["adamw"] == state["schedulefree"]
+    assert state["adamw"] / 2 < state["came"] < state["adamw"]  # a momentum, factored the rest
+    tried = {o.value: o.cost for o in options(cfg, None)["optimizer"]}
+    assert tried["came"] == 1.0 and tried["adafactor"] < tried["came"]  # costs relative to now
