@@ -24,7 +24,11 @@ its "kit vs script" table: steps/s, peak VRAM, MFU; `--no-cases` runs that compa
 `--dry-run` prints the plan, builds every case's config and runs the estimator, without a GPU.
 `--tiny --device cpu` runs the same path end to end on the families' tiny models (a smoke test).
 
-Usage: python benchmarks/gpu_check.py [--quick] [--cases PATTERN[,PATTERN]] [--dry-run]
+Any other shipped architecture (a folder of kit/families/model_configs with its shipped.json,
+such as a new family's) gets LoRA cases at 512 and 1024 px in bf16 with `--arch FOLDER`; its
+time limits and disk space are sized from its denoiser's published size until measured.
+
+Usage: python benchmarks/gpu_check.py [--quick] [--cases PATTERN[,PATTERN]] [--arch FOLDER] [--dry-run]
        [--budget SECONDS] [--out FILE] [--tiny] [--device cuda|cpu] [--fill-readme FILE]
        [--compare-sdxl [--no-cases]]
 """
@@ -68,6 +72,11 @@ COMPARE_SIDE_S = {
 COMPARE_BUILD_S = {False: 150, True: 30}  # the SDXL folder's build, when not already there
 
 
+SHIPPED_DIR = ROOT / "kit" / "families" / "model_configs"
+"""The shipped architectures' folders, each described by its `shipped.json` (read here as
+kit.families.shipped reads it, without importing the kit into the parent process)."""
+
+
 @dataclass(frozen=True)
 class Arch:
     """One shipped architecture: its family, its configs, how its random weights are stored, and
@@ -79,13 +88,47 @@ class Arch:
     case_timeout_s: int
     build_timeout_s: int
     disk_gib: float
+    billions: float = 0.0
+    """The published denoiser size (the larger figure), in billions of parameters."""
 
+
+def shipped_arch(folder: str, **measured: Any) -> Arch:
+    """The architecture of a shipped config folder: its family and size from its shipped.json;
+    dtype, time limits and disk from `measured` where runs have told them, else sized from the
+    denoiser (bf16 weights; a case's load, steps and sample, and the build, grow with it; the
+    folder holds about three bytes per denoiser parameter with its text encoders)."""
+    meta = json.loads((SHIPPED_DIR / folder / "shipped.json").read_text(encoding="utf-8"))
+    b = float(max(meta["denoiser_billions"]))
+    sized = {
+        "dtype": "bfloat16",
+        "case_timeout_s": int(120 + 20 * b),
+        "build_timeout_s": int(150 + 25 * b),
+        "disk_gib": round(1 + 3 * b, 1),
+    }
+    return Arch(meta["family"], folder, billions=b, **{**sized, **measured})
+
+
+MEASURED = {
+    "sd15": shipped_arch(
+        "sd15", dtype="float16", case_timeout_s=150, build_timeout_s=180, disk_gib=3
+    ),
+    "sdxl": shipped_arch(
+        "sdxl", dtype="float16", case_timeout_s=210, build_timeout_s=300, disk_gib=8
+    ),
+    "flux": shipped_arch("flux-dev", case_timeout_s=360, build_timeout_s=420, disk_gib=36),
+}
+"""The architectures of the standing cases, by the short name their cases use."""
 
 ARCHS = {
-    "sd15": Arch("sd15", "sd15", "float16", 150, 180, 3),
-    "sdxl": Arch("sdxl", "sdxl", "float16", 210, 300, 8),
-    "flux": Arch("flux", "flux-dev", "bfloat16", 360, 420, 36),
+    **MEASURED,
+    **{
+        path.parent.name: shipped_arch(path.parent.name)
+        for path in sorted(SHIPPED_DIR.glob("*/shipped.json"))
+        if path.parent.name not in {a.shipped for a in MEASURED.values()}
+    },
 }
+"""Every shipped architecture: the measured ones by short name, the others by folder name (a new
+family's folder is here once it ships; `--arch FOLDER` gives it its cases)."""
 
 
 @dataclass(frozen=True)
@@ -103,9 +146,9 @@ class Case:
     quick: bool = False
 
 
-def all_cases() -> list[Case]:
+def all_cases(arches: list[str] | tuple[str, ...] = ()) -> list[Case]:
     """Every case in the order they run: the `--quick` set first, so that a budget that runs out
-    still leaves one case of each kind measured."""
+    still leaves one case of each kind measured; then those of `arches` (`arch_cases`)."""
     flux = {"arch": "flux", "method": "lora", "px": 512, "precision": "bf16", "checkpointing": True}
     first = [
         Case("sd15-lora-512-bf16", "sd15", "lora", 512, "bf16", quick=True),
@@ -123,7 +166,31 @@ def all_cases() -> list[Case]:
     ]
     rest.append(Case("sdxl-ti-1024-bf16", "sdxl", "textual_inversion", 1024, "bf16"))
     names = {c.name for c in first}
-    return first + [c for c in rest if c.name not in names]
+    return (
+        first
+        + [c for c in rest if c.name not in names]
+        + [c for arch in arches for c in arch_cases(arch)]
+    )
+
+
+ARCH_PX = (512, 1024)
+"""The resolutions an architecture's own cases train at."""
+CHECKPOINTING_ABOVE = 4.0
+"""Billions of denoiser parameters above which an architecture's cases checkpoint activations
+(as the Flux cases do: a 12B model's 1024 px activations fill any card otherwise)."""
+
+
+def arch_cases(arch: str) -> list[Case]:
+    """The cases of a shipped architecture the standing list leaves out (`--arch`): LoRA at
+    512 and 1024 px in bf16, its activations checkpointed when its denoiser is large."""
+    if arch not in ARCHS:
+        known = ", ".join(sorted(ARCHS))
+        raise SystemExit(f"--arch {arch!r} is no shipped architecture; they are: {known}")
+    big = ARCHS[arch].billions > CHECKPOINTING_ABOVE
+    return [
+        Case(f"{arch}-lora-{px}-bf16", arch, "lora", px, "bf16", checkpointing=big)
+        for px in ARCH_PX
+    ]
 
 
 def select(cases: list[Case], patterns: list[str], quick: bool) -> list[Case]:
@@ -922,6 +989,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="one case of each kind, fewer steps")
     parser.add_argument("--cases", action="append", default=[], help="globs, comma-separated")
+    parser.add_argument(
+        "--arch",
+        action="append",
+        default=[],
+        help="shipped architecture folders (comma-separated) to add LoRA cases for, e.g. a new "
+        "family's: --arch FOLDER --cases 'FOLDER-*'",
+    )
     parser.add_argument("--dry-run", action="store_true", help="plan, configs, estimates; no GPU")
     parser.add_argument("--budget", type=float, default=480, help="seconds for the whole run")
     parser.add_argument("--steps", type=int, help="training steps per case (10; --quick 6)")
@@ -954,7 +1028,8 @@ def main(argv: list[str] | None = None) -> None:
     patterns = [p.strip() for arg in args.cases for p in arg.split(",") if p.strip()]
     if args.no_cases and not (args.compare_sdxl or args.kernels):
         raise SystemExit("--no-cases leaves nothing to run without --compare-sdxl or --kernels")
-    cases = [] if args.no_cases else select(all_cases(), patterns, args.quick)
+    arches = [a.strip() for arg in args.arch for a in arg.split(",") if a.strip()]
+    cases = [] if args.no_cases else select(all_cases(arches), patterns, args.quick)
     work = Path(args.work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("KIT_VRAM_CACHE", tempfile.mkdtemp(prefix="vram-", dir=work))

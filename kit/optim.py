@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -46,16 +49,108 @@ def make_optimizer(params: list[Any], t: TrainConfig) -> torch.optim.Optimizer:
             warmup_init=False,
             weight_decay=t.adam_weight_decay,
         )
+    if t.optimizer in PACKAGES:
+        _require(t.optimizer)  # one line naming what to install, not an ImportError
     if t.optimizer == "prodigy":
-        try:
-            from prodigyopt import Prodigy
-        except ImportError:
-            raise ConfigError(
-                "optimizer prodigy needs prodigyopt: pip install prodigyopt"
-            ) from None
+        from prodigyopt import Prodigy
+
         # Prodigy estimates the step size itself; learning_rate is a multiplier (1.0 is usual).
         return Prodigy(params, lr=t.learning_rate, betas=betas, weight_decay=t.adam_weight_decay)
+    if t.optimizer == "lion":
+        from lion_pytorch import Lion
+
+        # The sign of the update: every weight moves by the learning rate, so Lion wants one
+        # 3-10x below AdamW's. Its betas are its paper's (0.9, 0.99), not Adam's.
+        return Lion(params, lr=t.learning_rate, weight_decay=t.adam_weight_decay)
+    if t.optimizer == "came":
+        from came_pytorch import CAME
+
+        # Factored second moments (as Adafactor) and a factored confidence term; its own betas
+        # and epsilons, from its paper.
+        return CAME(params, lr=t.learning_rate, weight_decay=t.adam_weight_decay)
+    if t.optimizer == "schedulefree":
+        from schedulefree import AdamWScheduleFree
+
+        # No schedule: the optimizer averages its iterates instead, and warms up itself.
+        optimizer = AdamWScheduleFree(
+            params,
+            lr=t.learning_rate,
+            betas=betas,
+            eps=t.adam_epsilon,
+            weight_decay=t.adam_weight_decay,
+            warmup_steps=t.lr_warmup_steps,
+        )
+        optimizer.train()  # it refuses to step in eval mode, and is created in it
+        return optimizer
     raise ConfigError(f"optimizer: unknown '{t.optimizer}'")
+
+
+PACKAGES = {
+    "prodigy": ("prodigyopt", "prodigyopt"),
+    "lion": ("lion_pytorch", "lion-pytorch"),
+    "came": ("came_pytorch", "came-pytorch"),
+    "schedulefree": ("schedulefree", "schedulefree"),
+}
+"""Optimizers from optional packages: name → (module, what to pip install)."""
+
+
+def _require(optimizer: str) -> None:
+    module, package = PACKAGES[optimizer]
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"optimizer {optimizer} needs {package}: pip install {package}")
+
+
+def check_optimizer(t: TrainConfig, deepspeed: bool) -> None:
+    """Refuse, before anything loads, an optimizer whose package is missing or that cannot run
+    under this launch."""
+    if t.optimizer in PACKAGES:
+        _require(t.optimizer)
+    if t.optimizer == "schedulefree" and deepspeed:
+        # ZeRO steps the optimizer on its own flat fp32 copies: the averaged weights that
+        # `eval()` computes there would never reach the model that is saved.
+        raise ConfigError(
+            "optimizer schedulefree cannot run under DeepSpeed (its averaged weights would not "
+            "reach the saved model); launch without --deepspeed-stage or choose another optimizer"
+        )
+
+
+def _modes(optimizer: Any) -> bool:
+    """Whether `optimizer` (or the one accelerate wrapped) has train and eval modes (the
+    schedule-free ones: its weights in train mode are not the ones to evaluate or keep)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return callable(getattr(inner, "eval", None)) and callable(getattr(inner, "train", None))
+
+
+@contextlib.contextmanager
+def eval_weights(optimizer: Any, when: bool = True) -> Iterator[None]:
+    """Within the block the trained parameters hold the weights to evaluate, average and save:
+    a schedule-free optimizer's average (its eval mode), its train-mode weights again after.
+    Nothing changes for other optimizers, or when `when` is false.
+
+    Every process switches at the same steps: the round trip rounds in the last bit, so a
+    process that skipped it would drift from the others.
+    """
+    if not (when and _modes(optimizer)):
+        yield
+        return
+    optimizer.eval()
+    try:
+        yield
+    finally:
+        optimizer.train()
+
+
+def final_weights(optimizer: Any) -> None:
+    """Leave the trained parameters on the weights to keep (training is over or stopped)."""
+    if _modes(optimizer):
+        optimizer.eval()
+
+
+def train_weights(optimizer: Any) -> None:
+    """Put the trained parameters on the weights the next step starts from; for a restored
+    schedule-free optimizer (saved in eval mode) those follow from the saved ones."""
+    if _modes(optimizer):
+        optimizer.train()
 
 
 FUSED_DEVICES = ("cpu", "cuda")
@@ -82,12 +177,21 @@ def adamw_kernel(params: list[Any]) -> dict[str, bool]:
     return {}
 
 
+def learning_rate(optimizer: Any, scheduler: Any) -> float:
+    """The learning rate to log: the schedule's, or a schedule-free optimizer's own warm-up
+    (the rate its last step took)."""
+    return optimizer.param_groups[0].get("scheduled_lr") or scheduler.get_last_lr()[0]
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig, num_processes: int = 1) -> Any:
     """The configured diffusers learning-rate schedule (accelerate steps it once per process)."""
     from diffusers.optimization import get_scheduler
 
     if t.lr_scheduler == "piecewise_constant" and not t.lr_step_rules:
         raise ConfigError("lr_scheduler piecewise_constant needs lr_step_rules, e.g. '1:100,0.1'")
+    if t.optimizer == "schedulefree":
+        # The config accepts only a constant schedule with it; the warm-up is the optimizer's.
+        return get_scheduler("constant", optimizer=optimizer)
     try:
         return get_scheduler(
             t.lr_scheduler,

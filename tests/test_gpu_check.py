@@ -263,3 +263,27 @@ def test_compare_section_renders_the_kit_vs_script_table():
     assert "| steps/s (steady) | 2.000 | 2.000 | 1.00 |" in text
     assert "| MFU | 2.8% | 2.8% | – |" in text  # 14 TFLOP × 2 /s of 989.5 TFLOP/s
     assert "989.5 TFLOP/s dense bf16" in text
+
+
+def test_every_shipped_architecture_is_one_flag_from_its_cases(tmp_path, capsys):
+    """A shipped folder (a new family's, once merged) needs no code here: `--arch FOLDER` plans
+    its LoRA cases, sized from its shipped.json, and the dry run estimates them."""
+    from kit.families.shipped import ARCHITECTURES
+
+    assert {a.shipped for a in gc.ARCHS.values()} == set(ARCHITECTURES)
+    for a in gc.ARCHS.values():
+        assert a.family == ARCHITECTURES[a.shipped].family
+    sd3 = gc.ARCHS["sd35m"]
+    assert (sd3.dtype, sd3.billions) == ("bfloat16", max(ARCHITECTURES["sd35m"].denoiser_billions))
+    assert gc.ARCHS["sd15"].case_timeout_s == 150  # measured values stay as measured
+    cases = gc.all_cases(["sd35m"])
+    assert [c.name for c in cases[-2:]] == ["sd35m-lora-512-bf16", "sd35m-lora-1024-bf16"]
+    assert not any(c.checkpointing for c in cases[-2:])  # 2.5B: below the threshold
+    with pytest.raises(SystemExit, match="--arch 'nope' is no shipped architecture"):
+        gc.all_cases(["nope"])
+    gc.main(
+        ["--dry-run", "--tiny", "--work-dir", str(tmp_path), "--arch", "sd35m"]
+        + ["--cases", "sd35m-lora-512-*"]
+    )
+    out = capsys.readouterr().out
+    assert "dry run: 1 of 1 cases estimated" in out

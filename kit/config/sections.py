@@ -486,15 +486,19 @@ class TrainConfig:
     ] = "constant"
     """Learning-rate schedule (diffusers `get_scheduler`)."""
     lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up."""
+    """Optimizer steps of linear warm-up (with `optimizer: schedulefree`, its own warm-up)."""
     lr_num_cycles: int = 1
     """Hard restarts of `cosine_with_restarts`."""
     lr_power: float = 1.0
     """Power of the `polynomial` decay."""
     lr_step_rules: str = ""
     """`piecewise_constant` rules, e.g. `1:10,0.1:20,0.01` (multiplier:until step, …, last)."""
-    optimizer: Literal["adamw", "adamw8bit", "adafactor", "prodigy"] = "adamw"
-    """AdamW; AdamW 8-bit (bitsandbytes, CUDA); Adafactor; Prodigy (pip install prodigyopt)."""
+    optimizer: Literal[
+        "adamw", "adamw8bit", "adafactor", "prodigy", "lion", "came", "schedulefree"
+    ] = "adamw"
+    """AdamW; AdamW 8-bit (bitsandbytes, CUDA); Adafactor; Prodigy; Lion (a learning rate 3-10x
+    below AdamW's); CAME; schedule-free AdamW (constant `lr_scheduler`; images, EMA and checkpoints
+    take its averaged weights). The last four: pip install -e ".[optimizers]" (README)."""
     train_batch_size: int = 1
     """Images per batch (per process)."""
     gradient_accumulation_steps: int = 1
@@ -557,6 +561,11 @@ class TrainConfig:
             raise ConfigError(f"learning_rate: {self.learning_rate} must be positive")
         if self.mixed_precision == "fp32":
             self.mixed_precision = "no"
+        if self.optimizer == "schedulefree" and not self.lr_scheduler.startswith("constant"):
+            raise ConfigError(
+                f"lr_scheduler: {self.lr_scheduler} with optimizer schedulefree, which averages "
+                "its weights in place of a schedule: use constant (it warms up lr_warmup_steps)"
+            )
 
 
 @dataclass

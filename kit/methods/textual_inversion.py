@@ -50,6 +50,14 @@ class TextualInversion(Method):
             raise ConfigError(
                 "network_type textual_inversion needs placeholder_tokens and initializer_token"
             )
+        if cfg.train.optimizer == "schedulefree":
+            # Every row but the new ones is put back after each step; a schedule-free average
+            # of the table would move them all the same (its average point is never put back).
+            raise ConfigError(
+                "network_type textual_inversion cannot train with optimizer schedulefree (its "
+                "averaged weights would move the embedding table's other rows); use adamw, "
+                "lion or came"
+            )
         self.tokens = list(cfg.network.placeholder_tokens)
         self.ids: list[list[int]] = []
         self.frozen_rows: list[torch.Tensor] = []

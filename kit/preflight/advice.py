@@ -43,7 +43,15 @@ TEXT_QUANT_COST = 1.01
 """A quantized text encoder costs no step time (it only fills the cache), but its embeddings
 move a little from the full-precision encoder's: tried only after what changes nothing."""
 FP32_SLOWDOWN = 2.0  # fp32 matmuls against bf16 / fp16 ones
-OPTIMIZER_SLOWDOWN = {"adamw": 1.0, "adamw8bit": 1.02, "adafactor": 1.05, "prodigy": 1.1}
+OPTIMIZER_SLOWDOWN = {
+    "adamw": 1.0,
+    "adamw8bit": 1.02,
+    "adafactor": 1.05,
+    "prodigy": 1.1,
+    "lion": 1.02,
+    "came": 1.08,
+    "schedulefree": 1.02,
+}
 GRADED = ("train_batch_size", "gradient_accumulation_steps", "blocks_to_swap", "resolution")
 """Keys whose every further step costs more: a row that only goes further on them than a row
 already found is no alternative to it."""

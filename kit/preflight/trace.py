@@ -248,6 +248,8 @@ def optimizer_bytes(shapes: list[tuple[int, ...]]) -> dict[str, dict[str, int]]:
         2 * _numel(s) + 8 * -(-_numel(s) // 256) if _numel(s) >= 4096 else 8 * _numel(s)
         for s in shapes
     )
+    # A second moment kept as its row and column means where a weight has two or more axes
+    # (Adafactor, CAME), whole for a vector.
     factored = sum(
         4 * (_numel(s[:-1]) + _numel(s[:-2] + s[-1:])) if len(s) >= 2 else 4 * _numel(s)
         for s in shapes
@@ -257,7 +259,24 @@ def optimizer_bytes(shapes: list[tuple[int, ...]]) -> dict[str, dict[str, int]]:
         "adamw8bit": {"state": eight_bit, "step": 0},
         "adafactor": {"state": factored, "step": 12 * largest},
         "prodigy": {"state": 16 * n, "step": 8 * largest},
+        # lion-pytorch: the momentum; the update is built in two temporaries, one weight at a time.
+        "lion": {"state": 4 * n, "step": 8 * largest},
+        # came-pytorch: the momentum, and the factored second moment and confidence (the
+        # instability of the update); 1-D weights keep one full second moment, no confidence.
+        # Each weight also keeps its RMS, one fp32 scalar. The step holds the update, the
+        # instability and its factored estimate, one weight at a time.
+        "came": {
+            "state": 4 * n + 2 * factored - _vectors(shapes) + 4 * len(shapes),
+            "step": 12 * largest,
+        },
+        # schedulefree: z and the second moment; foreach divides every second moment at once.
+        "schedulefree": {"state": 8 * n, "step": 4 * n},
     }
+
+
+def _vectors(shapes: list[tuple[int, ...]]) -> int:
+    """fp32 bytes of the weights of fewer than two axes (that `factored` counts whole)."""
+    return sum(4 * _numel(s) for s in shapes if len(s) < 2)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

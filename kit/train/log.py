@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from kit.config import Config
 from kit.errors import KitError
 from kit.families.identity import public_name
+from kit.optim import learning_rate
 from kit.run.folder import RunDir
 from kit.train.state import Callback, TrainState
 
@@ -145,7 +146,7 @@ def step_row(
         "step": s.step,
         "epoch": s.epoch,
         "loss": loss,
-        "lr": s.scheduler.get_last_lr()[0],
+        "lr": learning_rate(s.optimizer, s.scheduler),
         "grad_norm": grad_norm,
         "time": round(time.perf_counter() - started, 3),
     }

@@ -18,6 +18,7 @@ from typing import Any
 from kit.config import Config
 from kit.data.buckets import epoch_batches
 from kit.errors import KitError
+from kit.optim import eval_weights, final_weights
 from kit.report.archive import write_archive
 from kit.report.doctor import write_report
 from kit.report.plots import plot_metrics
@@ -96,6 +97,7 @@ def fit(s: TrainState) -> TrainResult:
                 s.epoch, s.position = s.epoch + 1, 0
                 if not losses:
                     s.cursor = (s.epoch, s.position)
+        final_weights(s.optimizer)  # what is kept: a schedule-free optimizer's average
         save(s, s.step)
         if s.world > 1:
             digest = weights_digest(trained_weights(s))
@@ -150,39 +152,42 @@ def end_of_step(
     s.step += 1
     s.cursor = (s.epoch, s.position)
     s.method.after_step(s.comps)
-    if s.ema is not None:
-        s.ema.step(s.params)
     last = s.step == t.max_train_steps
     stable = bool(t.stable_loss_steps) and (s.step % t.stable_loss_steps == 0 or last)
     checkpoint = bool(t.checkpointing_steps) and s.step % t.checkpointing_steps == 0 and not last
     every = s.cfg.validation.validation_steps
     sample = last or bool(every and s.step % every == 0)
     logged = s.step % t.logging_steps == 0 or last or stable
-    bar.update(1)
-    if timer is not None:
-        _report_warmup(s, timer.step_done(s.step))
-    if logged or checkpoint or sample:
-        # The same decision on every process: the loss average is a collective.
-        loss, norm = step_numbers(acc, losses, grad_norm)
-        scale = acc.scaler.get_scale() if acc.scaler is not None else None
-        guard_finite(loss, norm, s.step, s.precision, scale, s.result.checkpoint)
-        row = step_row(s, loss, norm, scale, started)
-        if stable:
-            row.update(fixed_losses(s))
-        logged = logged or "stable_loss" in row
-        if logged:
-            log_row(acc, s.run, row)
-            bar.set_postfix(loss=f"{loss:.4f}")
-            s.emit(kind="step", **row)
-    losses.clear()
-    if checkpoint:
-        save(s, s.step)
-    if s.main and sample and not is_fsdp(acc):
-        phase = "final_sample" if last else "sample"
-        with timer.phase(phase, step=s.step) if timer else contextlib.nullcontext():
-            grid = validate(s, s.step)
-        s.result.validation_grids.append(grid)
-        log_grid(s.accelerator, s.step, grid)  # to the tracker too, where it takes images
+    # The EMA, the fixed losses, checkpoints and images take the weights to keep (a
+    # schedule-free optimizer's average, not the point it takes gradients at), on every process.
+    with eval_weights(s.optimizer, s.ema is not None or stable or checkpoint or sample):
+        if s.ema is not None:
+            s.ema.step(s.params)
+        bar.update(1)
+        if timer is not None:
+            _report_warmup(s, timer.step_done(s.step))
+        if logged or checkpoint or sample:
+            # The same decision on every process: the loss average is a collective.
+            loss, norm = step_numbers(acc, losses, grad_norm)
+            scale = acc.scaler.get_scale() if acc.scaler is not None else None
+            guard_finite(loss, norm, s.step, s.precision, scale, s.result.checkpoint)
+            row = step_row(s, loss, norm, scale, started)
+            if stable:
+                row.update(fixed_losses(s))
+            logged = logged or "stable_loss" in row
+            if logged:
+                log_row(acc, s.run, row)
+                bar.set_postfix(loss=f"{loss:.4f}")
+                s.emit(kind="step", **row)
+        losses.clear()
+        if checkpoint:
+            save(s, s.step)
+        if s.main and sample and not is_fsdp(acc):
+            phase = "final_sample" if last else "sample"
+            with timer.phase(phase, step=s.step) if timer else contextlib.nullcontext():
+                grid = validate(s, s.step)
+            s.result.validation_grids.append(grid)
+            log_grid(s.accelerator, s.step, grid)  # to the tracker too, where it takes images
 
 
 def _report_warmup(s: TrainState, row: dict[str, Any] | None) -> None:
@@ -216,6 +221,7 @@ def _on_interrupt(s: TrainState) -> None:
         # interrupt does not promise: the last periodic checkpoint is the one to resume from.
         s.accelerator.print("under DeepSpeed or FSDP no checkpoint is saved on an interrupt")
     elif s.main and s.step > 0 and not saved:
+        final_weights(s.optimizer)
         save(s, s.step)
     s.result.interrupted = True
     s.accelerator.print(f"interrupted at step {s.step}; checkpoint: {s.result.checkpoint}")

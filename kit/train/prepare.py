@@ -22,7 +22,7 @@ from kit.families.loading import load_base
 from kit.families.training_adapter import TrainingAdapter, read_training_adapter
 from kit.io import write_text
 from kit.methods import get_method
-from kit.optim import make_optimizer, make_scheduler
+from kit.optim import check_optimizer, make_optimizer, make_scheduler
 from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run import threads
@@ -75,6 +75,7 @@ def prepare(
             key="text_encoder_quantization",
         )
     check_compile(t.compile, t.blocks_to_swap, deepspeed_launch(), device)
+    check_optimizer(t, deepspeed_launch())  # a missing package, before anything loads
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     refuse_mixed_runs(run, resume, overwrite)

@@ -12,6 +12,7 @@ from kit.config import Config
 from kit.data.cache import CachedDataset
 from kit.errors import KitError
 from kit.io import write_text
+from kit.optim import train_weights
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
 from kit.train.accel import is_fsdp, load_fsdp, load_sharded
@@ -78,6 +79,9 @@ def restore(s: TrainState, checkpoint: Path) -> None:
         )
     else:
         s.optimizer.load_state_dict(state["optimizer"])
+    # A schedule-free optimizer was saved in eval mode, beside the weights it averaged; the
+    # weights its next step starts from follow from those and its state.
+    train_weights(s.optimizer)
     s.scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"], s.generator)
     if s.ema is not None and "ema" in state["extras"]:
