@@ -18,11 +18,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
+from kit.config.model import ModelConfig
 from kit.config.sections import (
     DataConfig,
     DatasetConfig,
     GenerateConfig,
-    ModelConfig,
     NetworkConfig,
     ObjectiveConfig,
     TrainConfig,
