@@ -36,14 +36,16 @@ def prompt_texts(family: Any, specs: list[ImageSpec]) -> list[str]:
 
 def takes_embeddings(pipeline_class: type | str, text_keys: list[str]) -> bool:
     """Whether the pipeline's call (a class, or its name in diffusers) takes each cached text
-    tensor, for the prompt and for the negative prompt (`prompt_embeds`,
-    `negative_prompt_embeds`, ...)."""
+    tensor, for the prompt and, where it takes a negative prompt, for that too
+    (`prompt_embeds`, `negative_prompt_embeds`, ...)."""
     if isinstance(pipeline_class, str):
         import diffusers
 
         pipeline_class = getattr(diffusers, pipeline_class)
     params = inspect.signature(pipeline_class.__call__).parameters
-    return all(f"{prefix}{k}" in params for k in text_keys for _, prefix in PROMPT_KEYS)
+    # A pipeline without a negative prompt (FLUX.2's) is never handed one to replace.
+    prefixes = [p for key, p in PROMPT_KEYS if key in params]
+    return all(f"{prefix}{k}" in params for k in text_keys for prefix in prefixes)
 
 
 def draws_from_embeddings(family: Any, method: Any) -> bool:
