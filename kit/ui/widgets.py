@@ -127,10 +127,16 @@ def estimates_on(cfg: Config, models: Iterable[tuple[str, str, int]]) -> dict[st
     """The config's estimate on other architectures: (family, model, resolution) each.
 
     A shipped hub id (kit.families.shipped) needs no download: only its architecture is built.
+    Another family's model is adapted where that family's LoRA goes by default.
     """
     out = {}
     for family, model, resolution in models:
         other = cfg.replace(model_family=family, pretrained_model=model, resolution=resolution)
+        if family != cfg.model.model_family:
+            # Module names differ between architectures: the other family's default targets.
+            other = other.replace(
+                lora_target_modules=[], only_if_contains=[], ignore_if_contains=[]
+            )
         out[f"{model.rsplit('/', 1)[-1]} at {resolution} px"] = estimate(other)
     return out
 
