@@ -43,6 +43,10 @@ class ModelConfig:
     """Tokens of the T5 text encoder (SD3: 256, up to 512; Flux: 512); 0 takes the family's default."""
     use_t5: bool = True
     """Load the T5 text encoder where the family has one; false leaves it out to save memory."""
+    train_experts: Literal["", "high", "low", "both"] = ""
+    """For a base with two experts (Wan 2.2 A14B: a high-noise `transformer`, a low-noise
+    `transformer_2`): train `high`, `low` or `both` (each step the expert of its timesteps);
+    empty trains both. Refused for a base with one transformer."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.max_sequence_length <= 512:

@@ -11,9 +11,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from kit.errors import KitError
 from kit.families import adapter_keys, register, tiny, wan_layout
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
-from kit.families.identity import saved_scheduler
+from kit.families.base import PARTS, Components, Family, NoiseDraw, flow_sampling, posterior_latent
+from kit.families.identity import part_dtype, saved_scheduler, single_file
+from kit.families.noise import flow_noise_and_target, flow_sigmas
+from kit.families.wan_experts import (
+    PIPELINE_NAMES,
+    WanExperts,
+    accept_for,
+    make_tiny_experts,
+    read_experts,
+    trained_experts,
+)
 
 TEMPORAL_FACTOR = 4
 """Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
@@ -58,8 +68,15 @@ class Wan(Family):
     single_file_markers = ("blocks.0.self_attn.q.weight",)
 
     def identity_extras(self, pretrained, revision):
+        # Read before anything is cached: `train_experts` on a base without experts is refused.
+        self.experts(pretrained)
         # Cached embeddings are padded to the sequence length, so it is part of their key.
         return self.max_sequence_length
+
+    def experts(self, source: str) -> tuple[str, ...]:
+        """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
+        with one transformer; refuses `train_experts` there (see kit.families.wan_experts)."""
+        return trained_experts(self.cfg.model.train_experts, read_experts(source), source)
 
     def kohya_module(self, module):
         return wan_layout.original_name(module)
@@ -85,7 +102,7 @@ class Wan(Family):
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
-        return self.load_parts(
+        comps = self.load_parts(
             pretrained,
             parts,
             revision=revision,
@@ -97,6 +114,27 @@ class Wan(Family):
             tokenizers=[self._tokenizer(pretrained, revision)],
             scheduler=self._training_scheduler(pretrained, revision),
         )
+        source = self.model_source(pretrained)
+        info = read_experts(source)
+        if info is not None and comps.denoiser is not None:
+            if single_file(pretrained):
+                raise KitError(
+                    f"pretrained_model {pretrained}: one file holds one Wan 2.2 expert; train "
+                    "the two-expert model from its diffusers folder or hub id"
+                )
+            low = WanTransformer3DModel.from_pretrained(
+                source,
+                subfolder=PIPELINE_NAMES["low"],
+                revision=revision,
+                variant=variant,
+                torch_dtype=part_dtype(dtype, "denoiser"),
+            ).requires_grad_(False)
+            steps = comps.noise_scheduler.config.num_train_timesteps
+            trained = self.experts(source)
+            comps.denoiser = WanExperts(
+                comps.denoiser.eval(), low.eval(), info.boundary_ratio, steps, trained
+            )
+        return comps
 
     def load_tokenizers(self, pretrained):
         return {"text_encoder": self._tokenizer(pretrained)}
@@ -159,7 +197,43 @@ class Wan(Family):
     # ------------------------------------------------------------ training
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        return self.flow_draw(comps, latents, generator, comps.noise_scheduler.config.shift)
+        shift = comps.noise_scheduler.config.shift
+        experts = getattr(comps.denoiser, "module", comps.denoiser)  # DDP keeps it in .module
+        if not isinstance(experts, WanExperts):
+            return self.flow_draw(comps, latents, generator, shift)
+        return self._expert_draw(experts, latents, generator, shift)
+
+    def _expert_draw(self, experts: WanExperts, latents, generator, shift) -> NoiseDraw:
+        """`flow_draw` on one expert's side of the boundary: the trained expert's, or with both
+        trained the expert of a first σ drawn from the whole distribution (see wan_experts)."""
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        o = self.cfg.objective
+        steps = experts.num_train_timesteps
+        options = {
+            "sampling": flow_sampling(o.timestep_sampling, o.loss_weighting),
+            "logit_mean": o.logit_mean,
+            "logit_std": o.logit_std,
+            "mode_scale": o.mode_scale,
+            "shift": shift,
+            "min_timestep": o.min_timestep,
+            "max_timestep": o.max_timestep,
+        }
+        if len(experts.trained) == 1:
+            name = experts.trained[0]
+        else:
+            first = flow_sigmas(1, generator, **options) * steps
+            name = "high" if bool(experts.expert_of(first)[0]) else "low"
+        draw = flow_noise_and_target(
+            latents,
+            generator,
+            **options,
+            num_train_timesteps=steps,
+            accept=accept_for(experts, name),
+        )
+        if o.loss_weighting != "none":
+            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
+        return draw
 
     def predict(self, comps, noisy, timesteps, cond):
         return comps.denoiser(
@@ -170,6 +244,11 @@ class Wan(Family):
         )[0]
 
     def swap_blocks(self, denoiser):
+        if isinstance(denoiser, WanExperts):
+            raise KitError(
+                "blocks_to_swap with Wan 2.2's two experts is not supported yet (each step runs "
+                "one expert's blocks); set blocks_to_swap: 0"
+            )
         return list(denoiser.blocks)
 
     # ------------------------------------------------------------ sampling
@@ -177,12 +256,21 @@ class Wan(Family):
     def pipeline(self, comps):
         from diffusers import WanPipeline
 
+        denoiser = getattr(comps.denoiser, "module", comps.denoiser)
+        experts: dict[str, Any] = {"transformer": denoiser}
+        if isinstance(denoiser, WanExperts):
+            # Both experts with their adapters, switched at the base's own boundary.
+            experts = {
+                "transformer": denoiser.expert("high"),
+                "transformer_2": denoiser.expert("low"),
+                "boundary_ratio": denoiser.boundary_ratio,
+            }
         return WanPipeline(
             tokenizer=comps.tokenizers[0],
             text_encoder=comps.text_encoders[0],
             vae=comps.vae,
             scheduler=saved_scheduler(comps.source, "FlowMatchEulerDiscreteScheduler"),
-            transformer=comps.denoiser,
+            **experts,
         )
 
     def call_kwargs(self, spec):
@@ -241,7 +329,8 @@ class Wan(Family):
 
     # ------------------------------------------------------------ tiny copy
 
-    def make_tiny(self, out_dir, seed=0):
+    def make_tiny(self, out_dir, seed=0, experts: bool = False):
+        """The tiny Wan 2.1 T2V; `experts=True`: Wan 2.2 A14B's layout, two transformers."""
         from diffusers import (
             AutoencoderKLWan,
             FlowMatchEulerDiscreteScheduler,
@@ -271,28 +360,32 @@ class Wan(Family):
             num_res_blocks=1,
             temperal_downsample=[False, True, True],
         )
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=4,
-            attention_head_dim=16,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=256,
-            ffn_dim=128,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-        pipe = WanPipeline(
-            tokenizer=tokenizer,
-            text_encoder=text_encoder,
-            vae=vae,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-            transformer=transformer,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+
+        def build_transformer():
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=4,
+                attention_head_dim=16,
+                in_channels=16,
+                out_channels=16,
+                text_dim=32,
+                freq_dim=256,
+                ffn_dim=128,
+                num_layers=2,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                rope_max_seq_len=32,
+            )
+
+        parts = {
+            "tokenizer": tokenizer,
+            "text_encoder": text_encoder,
+            "vae": vae,
+            "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+        }
+        if experts:
+            return make_tiny_experts(build_transformer(), build_transformer, out_dir, parts)
+        return tiny.save_pipeline(WanPipeline(**parts, transformer=build_transformer()), out_dir)
 
 
 def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
