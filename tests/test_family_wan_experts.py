@@ -1,0 +1,113 @@
+"""Wan 2.2 A14B's two experts on a tiny two-expert base: routing, draws, training, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kit.config import Config
+from kit.errors import ConfigError
+from kit.families import get_family
+from kit.families.wan_experts import WanExperts
+
+
+@pytest.fixture(scope="module")
+def experts_base(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny-wan22"
+    return get_family("wan").make_tiny(out, seed=0, experts=True)
+
+
+def wan22(base: Path, **fields):
+    return get_family(
+        "wan", Config().replace(pretrained_model=str(base), max_sequence_length=16, **fields)
+    )
+
+
+def recorder(module: torch.nn.Module, name: str, calls: list):
+    """Record every forward of `module` as (name, its keyword arguments)."""
+
+    def hook(_, args, kwargs):
+        calls.append((name, dict(kwargs)))
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_training_inputs_and_expert_equal_the_pipelines(experts_base):
+    from diffusers import WanPipeline
+
+    wan = wan22(experts_base)
+    comps = wan.load(str(experts_base))
+    assert isinstance(comps.denoiser, WanExperts)
+    pipe = WanPipeline.from_pretrained(str(experts_base))
+    assert pipe.config.boundary_ratio == 0.875
+    seen_pipe: list = []
+    for name, part in (("high", pipe.transformer), ("low", pipe.transformer_2)):
+        recorder(part, name, seen_pipe)
+    seen_kit: list = []
+    for name in ("high", "low"):
+        recorder(comps.denoiser.expert(name), name, seen_kit)
+    # The same weights in both: the kit's experts are the pipeline's.
+    for name, part in (("high", pipe.transformer), ("low", pipe.transformer_2)):
+        ours = comps.denoiser.expert(name).state_dict()
+        assert all(torch.equal(v, ours[k]) for k, v in part.state_dict().items())
+
+    prompt = "a large red zorbic moving right"
+    latents = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pipe(
+            prompt=prompt,
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=6,
+            guidance_scale=1.0,  # one forward per step: the conditional one training makes
+            latents=latents,
+            max_sequence_length=16,
+            output_type="latent",
+        )
+    experts_used = [name for name, _ in seen_pipe]
+    assert "high" in experts_used and "low" in experts_used  # the steps cross the boundary
+    cond = wan.encode_text(comps, [prompt])
+    for name, theirs in seen_pipe:
+        seen_kit.clear()
+        with torch.no_grad():
+            wan.predict(comps, theirs["hidden_states"], theirs["timestep"], cond)
+        ((expert, ours),) = seen_kit
+        assert expert == name  # the expert the pipeline runs at this timestep
+        for key in ("hidden_states", "timestep", "encoder_hidden_states"):
+            assert torch.equal(ours[key], theirs[key]), key
+        assert theirs.get("encoder_hidden_states_image") is None
+
+
+def test_one_expert_draws_only_its_timesteps(experts_base):
+    latents = torch.zeros(4, 16, 2, 4, 4)
+    boundary = 0.875 * 1000
+    for setting, side in (("high", lambda t: t >= boundary), ("low", lambda t: t < boundary)):
+        wan = wan22(experts_base, train_experts=setting)
+        comps = wan.load(str(experts_base))
+        assert comps.denoiser.trained == (setting,)
+        names = {n.split(".")[0] for n, p in comps.denoiser.named_parameters()}
+        assert names == {setting}  # the other expert is held beside, never adapted
+        g = torch.Generator().manual_seed(0)
+        steps = torch.cat([wan.noise_and_target(comps, latents, g).timesteps for _ in range(50)])
+        assert bool(side(steps).all())
+    # Both: each batch on one side, and the sides as often as the distribution puts them there.
+    wan = wan22(experts_base, train_experts="both", timestep_sampling="uniform")
+    comps = wan.load(str(experts_base))
+    g = torch.Generator().manual_seed(0)
+    draws = [wan.noise_and_target(comps, latents, g).timesteps for _ in range(400)]
+    assert all(len({bool(t >= boundary) for t in d}) == 1 for d in draws)
+    high = sum(bool(d[0] >= boundary) for d in draws) / len(draws)
+    # Uniform u shifted by 3: σ >= 0.875 where u >= 0.875 / (3 - 2 · 0.875) = 0.7.
+    assert abs(high - 0.3) < 0.07
+
+
+def test_train_experts_is_refused_for_one_transformer(tiny_base):
+    base = tiny_base("wan")
+    wan = get_family("wan", Config().replace(pretrained_model=str(base), train_experts="high"))
+    with pytest.raises(ConfigError, match="train_experts: high.*one transformer"):
+        wan.identity(str(base))
+    with pytest.raises(ConfigError, match="train_experts"):
+        Config().replace(train_experts="middle")
