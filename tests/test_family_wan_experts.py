@@ -111,3 +111,65 @@ def test_train_experts_is_refused_for_one_transformer(tiny_base):
         wan.identity(str(base))
     with pytest.raises(ConfigError, match="train_experts"):
         Config().replace(train_experts="middle")
+
+
+@pytest.fixture(scope="module")
+def experts_run(tmp_path_factory, experts_base, family_dataset):
+    """A straight run training both experts, and the fields to repeat it."""
+    from kit.config import load_config
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    tmp = tmp_path_factory.mktemp("wan22run")
+    fields = {
+        "family": "wan",
+        "base": experts_base,
+        "data": family_dataset("wan"),
+        "cache_dir": str(tmp / "cache"),
+        "num_frames": 5,
+        "max_sequence_length": 16,
+        "train_experts": "both",
+        "timestep_sampling": "uniform",
+        "max_train_steps": 6,
+        "checkpointing_steps": 3,
+        "validation_prompt": ["a large red zorbstar"],
+        "validation_seeds": [3],
+    }
+
+    def config(run: str, **overrides):
+        path = write_run_config(
+            tmp / f"{run}.json", **{**fields, "output_dir": str(tmp / run), **overrides}
+        )
+        return load_config(path)
+
+    result = train(config("straight"))
+    return tmp, config, result
+
+
+def test_both_experts_train_and_resume_bit_for_bit(experts_run):
+    from safetensors.torch import load_file
+
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import train
+
+    tmp, config, straight = experts_run
+    assert straight.step == 6 and len(straight.validation_grids) == 1
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "straight", 6) / ckpt.ADAPTER_FILE))
+    for expert in ("high", "low"):
+        trained = [w for k, w in weights.items() if k.startswith(f"{expert}.") and "lora_B" in k]
+        assert trained and any(w.abs().sum() > 0 for w in trained), expert
+    # One optimizer holding both: each expert's parameters stepped only on its own steps
+    # (AdamW skips a parameter without a gradient), so its moments are its own.
+    state = torch.load(ckpt.checkpoint_dir(tmp / "straight", 6) / ckpt.OPTIMIZER_FILE)["state"]
+    steps = [int(state[i]["step"]) if i in state else 0 for i in range(len(weights))]
+    half = len(weights) // 2  # the high expert's parameters come first, as many as the low's
+    high, low = set(steps[:half]), set(steps[half:])
+    assert len(high) == len(low) == 1 and min(*high, *low) > 0
+    assert high.pop() + low.pop() == 6  # every step trained exactly one expert
+    # 3 steps, stop, resume, 3 more: both adapters and the optimizer's state, bit for bit.
+    split = config("split")
+    train(split.replace(max_train_steps=3))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "split", 6) / ckpt.ADAPTER_FILE))
+    assert weights.keys() == resumed.keys()
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
