@@ -173,3 +173,66 @@ def test_both_experts_train_and_resume_bit_for_bit(experts_run):
     resumed = load_file(str(ckpt.checkpoint_dir(tmp / "split", 6) / ckpt.ADAPTER_FILE))
     assert weights.keys() == resumed.keys()
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+
+def test_exports_one_file_per_expert_that_loads_into_it(experts_run, experts_base):
+    from diffusers import WanPipeline
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from kit.export.writer import export
+    from kit.run import checkpoint as ckpt
+
+    tmp, _, _ = experts_run
+    result = export(tmp / "straight", "diffusers")
+    # Redrawn by plain diffusers with both files loaded: the kit's validation clip.
+    assert result.verification.passed and result.verification.images == 1
+    files = result.files
+    assert {k: p.name for k, p in files.items()} == {
+        "high_noise": "pytorch_lora_weights_high_noise.safetensors",
+        "low_noise": "pytorch_lora_weights_low_noise.safetensors",
+    }
+    for part, path in files.items():
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata()["kit.expert"] == part
+            assert all(k.startswith("transformer.blocks.") for k in f.keys())
+
+    # diffusers' own loader: the high-noise file into `transformer`, the low-noise one into
+    # `transformer_2`; fused, each expert's weights are its trained adapter's merge.
+    pipe = WanPipeline.from_pretrained(str(experts_base))
+    experts = {"high": pipe.transformer, "low": pipe.transformer_2}
+    before = {e: {k: v.clone() for k, v in m.state_dict().items()} for e, m in experts.items()}
+    pipe.load_lora_weights(str(files["high_noise"].parent), weight_name=files["high_noise"].name)
+    pipe.load_lora_weights(
+        str(files["low_noise"].parent),
+        weight_name=files["low_noise"].name,
+        load_into_transformer_2=True,
+    )
+    pipe.fuse_lora(components=["transformer", "transformer_2"])
+    pipe.unload_lora_weights()
+    trained = load_file(str(ckpt.checkpoint_dir(tmp / "straight", 6) / ckpt.ADAPTER_FILE))
+    want = {e: dict(w) for e, w in before.items()}
+    for key, a in trained.items():
+        if ".lora_A." in key:
+            expert, _, name = key.partition(".")
+            weight = name.replace(".lora_A.weight", ".weight")
+            want[expert][weight] = want[expert][weight] + trained[key.replace("_A.", "_B.")] @ a
+    for expert, model in experts.items():
+        got = model.state_dict()
+        assert got.keys() == want[expert].keys()
+        for k, v in got.items():
+            assert torch.allclose(v, want[expert][k], atol=1e-6), (expert, k)
+        changed = [k for k in got if not torch.equal(got[k], before[expert][k])]
+        assert len(changed) == 2 * 2 * 4  # q, k, v, out of both attentions in both blocks
+
+    # ComfyUI's names, checked as every Wan export is: each expert's file on its expert.
+    kohya = export(tmp / "straight", "kohya")
+    assert kohya.verification.passed
+    clients = {c["client"]: c for c in kohya.verification.clients}
+    assert set(clients) == {"ComfyUI (high_noise)", "ComfyUI (low_noise)"}
+    assert all(c["exact"] and c["weights"] > 0 for c in clients.values())
+    for part, path in kohya.files.items():
+        assert path.name.endswith(f"_{part}.safetensors")
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata()["kit.expert"] == part
+            assert any(k.startswith("lora_unet_blocks_0_self_attn_q.") for k in f.keys())

@@ -28,8 +28,13 @@ from kit.families.identity import (
     require_tokenizers,
     single_file,
 )
-from kit.families.ldm import unet_module_names
-from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
+from kit.families.ldm import ldm_aliases  # noqa: F401
+from kit.families.noise import (
+    NoiseDraw,
+    ddpm_noise_and_target,
+    flow_noise_and_target,
+    flow_sampling,
+)
 from kit.families.samplers import ImageSpec, check_validation
 from kit.families.shipped import SHIPPED
 
@@ -100,24 +105,6 @@ def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tens
         return mean
     noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
     return mean + dist.std * noise.to(mean)
-
-
-def ldm_aliases(unet_config: Any) -> dict[str, str]:
-    """What ComfyUI derives from an SD UNet's config (`unet_to_diffusers`): each diffusers
-    weight key → the same weight's key in the original layout."""
-    return {f"{d}.weight": f"{o}.weight" for d, o in unet_module_names(unet_config).items()}
-
-
-def flow_sampling(sampling: str, loss_weighting: str) -> str:
-    """The σ sampling a flow-matching run uses: `auto` becomes logit-normal, or uniform when a
-    loss weighting is chosen.
-
-    diffusers pairs `sigma_sqrt` and `cosmap` with uniform σ: the weight is the density
-    correction, so on top of logit-normal draws it would weight the middle twice.
-    """
-    if sampling != "auto":
-        return sampling
-    return "logit_normal" if loss_weighting == "none" else "uniform"
 
 
 class Family(ABC):
@@ -540,6 +527,18 @@ class Family(ABC):
             kwargs[f"{name}_lora_adapter_metadata"] = adapter_configs[part]
         cls.save_lora_weights(out_dir, **kwargs, safe_serialization=True)
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    def denoiser_files(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Adapter weights by exported file: a name part → its weights, named as for one model."""
+        return {"": state}
+
+    def denoiser_part(self, denoiser: nn.Module, part: str) -> nn.Module:
+        """The model within the denoiser that file `part` (of `denoiser_files`) adapts."""
+        return denoiser
+
+    def lora_load_kwargs(self, part: str) -> dict[str, Any]:
+        """The `load_lora_weights` arguments that load file `part` into its model."""
+        return {}
 
     def kohya_module(self, module: str) -> str:
         """A denoiser module's path as the kohya file names it (the clients' model naming):

@@ -22,6 +22,18 @@ class NoiseDraw:
     """Per-sample loss weight (e.g. a flow-matching density correction); None means 1."""
 
 
+def flow_sampling(sampling: str, loss_weighting: str) -> str:
+    """The σ sampling a flow-matching run uses: `auto` becomes logit-normal, or uniform when a
+    loss weighting is chosen.
+
+    diffusers pairs `sigma_sqrt` and `cosmap` with uniform σ: the weight is the density
+    correction, so on top of logit-normal draws it would weight the middle twice.
+    """
+    if sampling != "auto":
+        return sampling
+    return "logit_normal" if loss_weighting == "none" else "uniform"
+
+
 def ddpm_noise_and_target(
     scheduler: Any,
     latents: torch.Tensor,

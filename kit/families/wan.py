@@ -17,11 +17,15 @@ from kit.families.base import PARTS, Components, Family, NoiseDraw, flow_samplin
 from kit.families.identity import part_dtype, saved_scheduler, single_file
 from kit.families.noise import flow_noise_and_target, flow_sigmas
 from kit.families.wan_experts import (
+    EXPERT_OF_FILE,
+    EXPERTS,
+    FILE_SUFFIX,
     PIPELINE_NAMES,
     WanExperts,
     accept_for,
     make_tiny_experts,
     read_experts,
+    split_state,
     trained_experts,
 )
 
@@ -80,6 +84,19 @@ class Wan(Family):
 
     def kohya_module(self, module):
         return wan_layout.original_name(module)
+
+    def denoiser_files(self, state):
+        # Two experts: one file each, as diffusers and ComfyUI load one LoRA per transformer.
+        if any(k.split(".", 1)[0] in EXPERTS for k in state):
+            return {FILE_SUFFIX[e]: w for e, w in split_state(state).items()}
+        return {"": state}
+
+    def denoiser_part(self, denoiser, part):
+        return denoiser.expert(EXPERT_OF_FILE[part]) if part else denoiser
+
+    def lora_load_kwargs(self, part):
+        # diffusers' WanLoraLoaderMixin loads into transformer_2 when asked, by this keyword.
+        return {"load_into_transformer_2": True} if part == FILE_SUFFIX["low"] else {}
 
     def client_models(self, comps):
         # ComfyUI holds Wan in its original layout and reads LoRA by those names only.
@@ -306,13 +323,29 @@ class Wan(Family):
         from transformers import UMT5EncoderModel
 
         # Buffers too: the rotary tables must be on the meta device with the activations.
-        return self.empty_from_configs(
+        parts = self.empty_from_configs(
             pretrained,
             denoiser=(WanTransformer3DModel, "transformer"),
             vae=(AutoencoderKLWan, "vae"),
             encoders=[(UMT5EncoderModel, "text_encoder")],
             include_buffers=True,
         )
+        source = self.model_source(pretrained)
+        info = read_experts(source)
+        if info is not None:
+            # The second expert: the same architecture, its own config.
+            config = WanTransformer3DModel.load_config(source, subfolder=PIPELINE_NAMES["low"])
+            with torch.device("meta"):
+                low = WanTransformer3DModel.from_config(config)
+            steps = saved_scheduler(source, "FlowMatchEulerDiscreteScheduler").config
+            parts["denoiser"] = WanExperts(
+                parts["denoiser"],
+                low,
+                info.boundary_ratio,
+                steps.num_train_timesteps,
+                self.experts(source),
+            )
+        return parts
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]

@@ -44,7 +44,8 @@ EXPERTS = ("high", "low")
 PIPELINE_NAMES = {"high": "transformer", "low": "transformer_2"}
 """Each expert's component (and subfolder) name in `WanPipeline`."""
 FILE_SUFFIX = {"high": "high_noise", "low": "low_noise"}
-"""What an exported file's name carries for its expert (the names ComfyUI users look for)."""
+"""What an exported file's name (and its `kit.expert` metadata) carries for its expert."""
+EXPERT_OF_FILE = {v: k for k, v in FILE_SUFFIX.items()}
 
 
 @dataclass(frozen=True)
@@ -175,15 +176,6 @@ def split_state(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
             raise KitError(f"'{key}': not a weight of either Wan 2.2 expert")
         out.setdefault(head, {})[rest] = value
     return out
-
-
-def load_expert_files(pipe: Any, paths: dict[str, Path]) -> Any:
-    """Apply one LoRA file per expert with diffusers' own loader: the high-noise file into
-    `transformer`, the low-noise one with `load_into_transformer_2=True`."""
-    for name, path in paths.items():
-        extra = {"load_into_transformer_2": True} if name == "low" else {}
-        pipe.load_lora_weights(str(path.parent), weight_name=path.name, **extra)
-    return pipe
 
 
 def make_tiny_experts(

@@ -178,9 +178,10 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
-def load_lora(pipe: Any, path: Path) -> Any:
-    """Apply a LoRA file as diffusers users do: `load_lora_weights`."""
-    pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+def load_lora(pipe: Any, path: Path, **kwargs: Any) -> Any:
+    """Apply a LoRA file as diffusers users do: `load_lora_weights` (with `kwargs`, e.g. the
+    model of a pipeline with several that the file is for)."""
+    pipe.load_lora_weights(str(path.parent), weight_name=path.name, **kwargs)
     return pipe
 
 
