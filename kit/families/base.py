@@ -28,7 +28,6 @@ from kit.families.identity import (
     require_tokenizers,
     single_file,
 )
-from kit.families.ldm import ldm_aliases  # noqa: F401
 from kit.families.noise import (
     NoiseDraw,
     ddpm_noise_and_target,
