@@ -16,7 +16,8 @@ from kit.families.wan_experts import WanExperts
 @pytest.fixture(scope="module")
 def experts_base(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny-wan22"
-    return get_family("wan").make_tiny(out, seed=0, experts=True)
+    wan = get_family("wan")
+    return wan.make_tiny(out, seed=0, variant=wan.variants[1])
 
 
 def wan22(base: Path, **fields):
@@ -236,3 +237,126 @@ def test_exports_one_file_per_expert_that_loads_into_it(experts_run, experts_bas
         with safe_open(str(path), "pt") as f:
             assert f.metadata()["kit.expert"] == part
             assert any(k.startswith("lora_unet_blocks_0_self_attn_q.") for k in f.keys())
+
+
+@pytest.mark.slow
+def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_cache):
+    from kit.preflight.estimate import estimate
+
+    gib = 2**30
+    runs = {}
+    for setting in ("both", "high"):
+        cfg = Config().replace(
+            model_family="wan",
+            pretrained_model="Wan-AI/Wan2.2-T2V-A14B-Diffusers",  # the shipped configs
+            train_experts=setting,
+            resolution=480,
+            num_frames=17,
+            mixed_precision="bf16",
+            gradient_checkpointing=True,
+        )
+        runs[setting] = e = estimate(cfg)
+        # One 14.3B expert in bf16 on the GPU; the other waits in host RAM, named in a note.
+        assert 26 < e.components["denoiser_weights"] / gib < 27.5, setting
+        waiting = [n for n in e.notes if "waits in host RAM" in n]
+        assert len(waiting) == 1 and "26.61 GiB" in waiting[0]
+        # Loading reads both experts (and the T5) into host RAM before one goes to the GPU.
+        assert e.host_bytes / gib > 2 * 26.6
+    assert "change places" in next(n for n in runs["both"].notes if "waits" in n)
+    assert "untrained low-noise expert" in next(n for n in runs["high"].notes if "waits" in n)
+    # Both adapters train (their weights and optimizer state count), one expert's activations.
+    both, high = (runs[k].components for k in ("both", "high"))
+    assert both["trainable_weights"] == 2 * high["trainable_weights"]
+    assert both["activations"] == high["activations"]
+
+
+def test_ti2v_5b_estimates_as_one_transformer(module_trace_cache):
+    from kit.preflight.estimate import estimate
+
+    cfg = Config().replace(
+        model_family="wan",
+        pretrained_model="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        resolution=480,
+        num_frames=17,
+        mixed_precision="bf16",
+        gradient_checkpointing=True,
+    )
+    e = estimate(cfg)
+    assert 9 < e.components["denoiser_weights"] / 2**30 < 9.7  # 5.0B parameters in bf16
+    assert not [n for n in e.notes if "waits in host RAM" in n]
+    with pytest.raises(ConfigError, match="train_experts: both.*one transformer"):
+        estimate(cfg.replace(train_experts="both"))
+
+
+def test_one_expert_at_a_time_on_the_accelerator(experts_base):
+    """Which tensors `place` sends where (recorded: this machine has no accelerator)."""
+    from peft import LoraConfig
+
+    wan = wan22(experts_base)
+    experts = wan.load(str(experts_base)).denoiser
+    experts.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
+    where: dict[int, str] = {}  # by storage: the fake move leaves every tensor in place
+
+    def move(t, device):
+        where[t.data_ptr()] = device.type
+        return t
+
+    experts.move = move
+    gpu = torch.device("cuda")
+
+    def at(name, trained):
+        module = experts.expert(name)
+        tensors = [p for p in module.parameters() if p.requires_grad == trained]
+        tensors += [] if trained else list(module.buffers())
+        return {where.get(t.data_ptr(), "cpu") for t in tensors}
+
+    assert experts.active == "high"
+    experts.place("low", gpu)
+    assert at("low", False) == at("low", True) == {"cuda"} and at("high", False) == {"cpu"}
+    experts.place("high", gpu)
+    assert at("high", False) == at("high", True) == {"cuda"}
+    # The waiting expert's frozen weights leave; its adapter, once on the device, stays.
+    assert at("low", False) == {"cpu"} and at("low", True) == {"cuda"}
+    # WanPipeline calls the experts themselves: each places itself before its forward.
+    experts.expert("low")(
+        hidden_states=torch.zeros(1, 16, 1, 2, 2),
+        timestep=torch.tensor([100.0]),
+        encoder_hidden_states=torch.zeros(1, 4, 32),
+    )
+    assert experts.active == "low"
+    # `.to(dtype)` while the base is placed: the waiting expert takes the dtype too.
+    experts = wan.load(str(experts_base)).denoiser
+    experts.to(dtype=torch.bfloat16)
+    for name in ("high", "low"):
+        assert {p.dtype for p in experts.expert(name).parameters()} == {torch.bfloat16}
+
+
+def test_ti2v_timesteps_per_token_equal_the_pipelines(tmp_path):
+    from diffusers import WanPipeline
+
+    wan = get_family("wan")
+    base = wan.make_tiny(tmp_path / "ti2v", seed=0, variant=wan.variants[2])
+    assert wan.variant_of(str(base)) == wan.variants[2]
+    wan = wan22(base)
+    comps = wan.load(str(base))
+    assert comps.vae.config.z_dim == 48 and not isinstance(comps.denoiser, WanExperts)
+    assert wan.pipeline(comps).config.expand_timesteps  # validation draws as the pipeline does
+    pipe = WanPipeline.from_pretrained(str(base))
+    seen_pipe, seen_kit = [], []
+    recorder(pipe.transformer, "t", seen_pipe)
+    recorder(comps.denoiser, "t", seen_kit)
+    prompt = "a large red zorbic"
+    latents = torch.randn(1, 48, 2, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pipe(prompt=prompt, height=64, width=96, num_frames=5, num_inference_steps=2,
+             guidance_scale=1.0, latents=latents, max_sequence_length=16, output_type="latent")  # fmt: skip
+    cond = wan.encode_text(comps, [prompt])
+    assert len(seen_pipe) == 2
+    for _, theirs in seen_pipe:
+        assert theirs["timestep"].shape == (1, 2 * 2 * 3)  # frames × (h/2) × (w/2) tokens
+        seen_kit.clear()
+        with torch.no_grad():  # the kit's timesteps are one per sample, as drawn
+            wan.predict(comps, theirs["hidden_states"], theirs["timestep"][:, 0], cond)
+        ((_, ours),) = seen_kit
+        for key in ("hidden_states", "timestep", "encoder_hidden_states"):
+            assert torch.equal(ours[key], theirs[key]), key

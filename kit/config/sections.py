@@ -25,9 +25,10 @@ class ModelConfig:
     model_config: str = ""
     """For a single-file `pretrained_model`: where the architecture's configs, the tokenizers,
     the scheduler and any part the file lacks come from: a diffusers folder or hub id of the same
-    architecture, or a config the kit ships (`sd15`, `sdxl`, `sd35m`, `flux-dev`, `wan21-1.3b`);
-    empty takes the family's shipped config. The shipped configs hold no tokenizers or weights:
-    they describe the architecture (estimates, previews), and training needs a folder or hub id."""
+    architecture, or a config the kit ships (`sd15`, `sdxl`, `sd35m`, `flux-dev`, `wan21-1.3b`,
+    `wan22-t2v-a14b`, `wan22-ti2v-5b`); empty takes the family's shipped config. The shipped
+    configs hold no tokenizers or weights: they describe the architecture (estimates, previews),
+    and training needs a folder or hub id."""
     vae_model: str = ""
     """Another VAE to use (a diffusers folder, hub id or single file), e.g. an fp16-safe SDXL
     VAE; empty keeps the base model's."""

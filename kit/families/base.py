@@ -65,12 +65,8 @@ class Components:
 
     def missing_parts(self) -> tuple[str, ...]:
         """The parts (of `PARTS`) that were not loaded."""
-        have = {
-            "denoiser": self.denoiser is not None,
-            "vae": self.vae is not None,
-            "text_encoders": bool(self.text_encoders),
-        }
-        return tuple(p for p in PARTS if not have[p])
+        have = (self.denoiser is not None, self.vae is not None, bool(self.text_encoders))
+        return tuple(p for p, loaded in zip(PARTS, have, strict=True) if not loaded)
 
     def take_parts(self, other: Components) -> None:
         """Fill the parts this lacks from `other` (a later, partial load of the same model)."""
@@ -534,6 +530,10 @@ class Family(ABC):
     def denoiser_part(self, denoiser: nn.Module, part: str) -> nn.Module:
         """The model within the denoiser that file `part` (of `denoiser_files`) adapts."""
         return denoiser
+
+    def host_resident(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """Models of the denoiser whose frozen weights wait in host RAM while another trains."""
+        return {}
 
     def lora_load_kwargs(self, part: str) -> dict[str, Any]:
         """The `load_lora_weights` arguments that load file `part` into its model."""

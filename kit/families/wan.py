@@ -25,6 +25,7 @@ from kit.families.wan_experts import (
     accept_for,
     make_tiny_experts,
     read_experts,
+    read_index,
     split_state,
     trained_experts,
 )
@@ -56,6 +57,8 @@ class Wan(Family):
     modelspec_architecture = "wan2.1"  # musubi-tuner's value
     modelspec_implementation = "https://github.com/Wan-Video/Wan2.1"
     video = True
+    # Which one a base is, read from its model_index.json (`variant_of`).
+    variants = ("Wan 2.1 T2V", "Wan 2.2 T2V A14B (two experts)", "Wan 2.2 TI2V 5B")
 
     @property
     def max_sequence_length(self) -> int:
@@ -77,6 +80,13 @@ class Wan(Family):
         # Cached embeddings are padded to the sequence length, so it is part of their key.
         return self.max_sequence_length
 
+    def variant_of(self, pretrained):
+        # Two transformers and a boundary: A14B; a timestep per token: TI2V-5B.
+        index = read_index(self.model_source(pretrained))
+        if read_experts(self.model_source(pretrained)) is not None:
+            return self.variants[1]
+        return self.variants[2] if index.get("expand_timesteps") else self.variants[0]
+
     def experts(self, source: str) -> tuple[str, ...]:
         """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
         with one transformer; refuses `train_experts` there (see kit.families.wan_experts)."""
@@ -93,6 +103,15 @@ class Wan(Family):
 
     def denoiser_part(self, denoiser, part):
         return denoiser.expert(EXPERT_OF_FILE[part]) if part else denoiser
+
+    def host_resident(self, denoiser):
+        # One expert waits in CPU memory while the other trains (kit.families.wan_experts).
+        if not isinstance(denoiser, WanExperts):
+            return {}
+        if len(denoiser.trained) == 2:
+            return {"the expert a step does not train (they change places)": denoiser.low}
+        held = next(e for e in ("high", "low") if e not in denoiser.trained)
+        return {f"the untrained {held}-noise expert (for validation)": denoiser.expert(held)}
 
     def lora_load_kwargs(self, part):
         # diffusers' WanLoraLoaderMixin loads into transformer_2 when asked, by this keyword.
@@ -253,6 +272,13 @@ class Wan(Family):
         return draw
 
     def predict(self, comps, noisy, timesteps, cond):
+        if read_index(comps.source).get("expand_timesteps"):
+            # TI2V-5B: a timestep per latent token, as WanPipeline's `expand_timesteps` builds
+            # it from its all-ones mask over the (1, 2, 2) patches (first-frame conditioning,
+            # which zeroes the first frame's, is not trained yet).
+            mask = torch.ones(noisy.shape[2:], dtype=torch.float32, device=noisy.device)
+            tokens = mask[:, ::2, ::2].flatten()
+            timesteps = torch.stack([tokens * t for t in timesteps.float()])
         return comps.denoiser(
             hidden_states=noisy,
             timestep=timesteps,
@@ -287,6 +313,7 @@ class Wan(Family):
             text_encoder=comps.text_encoders[0],
             vae=comps.vae,
             scheduler=saved_scheduler(comps.source, "FlowMatchEulerDiscreteScheduler"),
+            expand_timesteps=bool(read_index(comps.source).get("expand_timesteps")),
             **experts,
         )
 
@@ -331,6 +358,7 @@ class Wan(Family):
             include_buffers=True,
         )
         source = self.model_source(pretrained)
+        trained = self.experts(source)  # refuses train_experts on a base without experts
         info = read_experts(source)
         if info is not None:
             # The second expert: the same architecture, its own config.
@@ -343,7 +371,7 @@ class Wan(Family):
                 low,
                 info.boundary_ratio,
                 steps.num_train_timesteps,
-                self.experts(source),
+                trained,
             )
         return parts
 
@@ -362,8 +390,13 @@ class Wan(Family):
 
     # ------------------------------------------------------------ tiny copy
 
-    def make_tiny(self, out_dir, seed=0, experts: bool = False):
-        """The tiny Wan 2.1 T2V; `experts=True`: Wan 2.2 A14B's layout, two transformers."""
+    def make_tiny(self, out_dir, seed=0, variant: str = ""):
+        """The tiny Wan 2.1 T2V, or the layout of another of `variants` (two experts; TI2V-5B's
+        48-channel residual VAE with 2x2 patches and per-token timesteps)."""
+        variant = variant or self.variants[0]
+        if variant not in self.variants:
+            raise KitError(f"no Wan variant '{variant}' (choose from {', '.join(self.variants)})")
+        ti2v = variant == self.variants[2]
         from diffusers import (
             AutoencoderKLWan,
             FlowMatchEulerDiscreteScheduler,
@@ -393,14 +426,30 @@ class Wan(Family):
             num_res_blocks=1,
             temperal_downsample=[False, True, True],
         )
+        if ti2v:  # the Wan 2.2 VAE: 48 channels, 16x in space (2x2 pixel patches inside)
+            vae = AutoencoderKLWan(
+                base_dim=12,
+                z_dim=48,
+                in_channels=12,
+                out_channels=12,
+                is_residual=True,
+                patch_size=2,
+                scale_factor_spatial=16,
+                scale_factor_temporal=4,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+                latents_mean=[0.0] * 48,
+                latents_std=[1.0] * 48,
+            )
 
         def build_transformer():
             return WanTransformer3DModel(
                 patch_size=(1, 2, 2),
                 num_attention_heads=4,
                 attention_head_dim=16,
-                in_channels=16,
-                out_channels=16,
+                in_channels=vae.config.z_dim,
+                out_channels=vae.config.z_dim,
                 text_dim=32,
                 freq_dim=256,
                 ffn_dim=128,
@@ -416,9 +465,10 @@ class Wan(Family):
             "vae": vae,
             "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
         }
-        if experts:
+        if variant == self.variants[1]:
             return make_tiny_experts(build_transformer(), build_transformer, out_dir, parts)
-        return tiny.save_pipeline(WanPipeline(**parts, transformer=build_transformer()), out_dir)
+        pipe = WanPipeline(**parts, transformer=build_transformer(), expand_timesteps=ti2v)
+        return tiny.save_pipeline(pipe, out_dir)
 
 
 def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

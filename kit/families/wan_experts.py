@@ -15,6 +15,13 @@ that both the noise draw and the forward use:
   split between experts (only one expert's weights are needed for a step, which is what lets
   the other wait in CPU memory), and the expert of a sample is the pipeline's for its timestep.
 
+Memory: only one expert is on the accelerator at a time: the step's (or, training one, the
+trained one). The other's frozen weights wait in CPU memory and the two change places when a
+batch's timesteps (or validation's steps) fall on the other side (`WanExperts.place`; the
+adapters themselves, small, stay on the accelerator once there). Host RAM holds the waiting
+expert throughout, as the estimate says. Changing places copies one expert each way (some
+seconds for 14B in bf16 over PCIe), so `both` pays that on the steps whose expert changes.
+
 One optimizer holds both experts' adapters. The step that trains one expert leaves the other's
 gradients None, and AdamW (torch's and bitsandbytes') skips a parameter without a gradient and
 keeps its step count per parameter, so each expert's moments and bias correction advance only
@@ -30,6 +37,7 @@ ones are its submodules `high` / `low` (so peft adapts only those, and adapter k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +46,7 @@ from torch import nn
 
 from kit.errors import ConfigError, KitError
 from kit.families import tiny
+from kit.families.shipped import config_source
 
 EXPERTS = ("high", "low")
 """The experts by their module names in `WanExperts`, high-noise first."""
@@ -55,14 +64,21 @@ class ExpertsInfo:
     boundary_ratio: float
 
 
-def read_experts(source: str) -> ExpertsInfo | None:
-    """The base's two-expert layout (transformer_2 present, `boundary_ratio` set), else None."""
+@lru_cache(maxsize=32)
+def read_index(source: str) -> dict[str, Any]:
+    """The base's model_index.json ({} where there is none); a hub id the kit ships configs
+    for reads the shipped copy (offline, as the estimate does)."""
     from diffusers import WanPipeline
 
     try:
-        index = WanPipeline.load_config(source)
+        return dict(WanPipeline.load_config(config_source(source)))
     except (OSError, ValueError):
-        return None  # no model_index.json (a shipped config without one): one transformer
+        return {}
+
+
+def read_experts(source: str) -> ExpertsInfo | None:
+    """The base's two-expert layout (transformer_2 present, `boundary_ratio` set), else None."""
+    index = read_index(source)
     second = index.get("transformer_2")
     if not second or second[0] is None or index.get("boundary_ratio") is None:
         return None
@@ -98,11 +114,25 @@ class WanExperts(nn.Module):
         self.num_train_timesteps = num_train_timesteps
         self.boundary = boundary_ratio * num_train_timesteps  # as WanPipeline computes it
         self.trained = tuple(trained)
+        # One expert at a time on the accelerator (see the module's text): the other waits in
+        # CPU memory, also the one held beside for validation when one trains.
+        self.offload = True
+        self.active = self.trained[0]
+        self.move = _move  # how a tensor changes device (a test records the moves instead)
         for name, module in zip(EXPERTS, (high, low), strict=True):
             if name in self.trained:
                 setattr(self, name, module)  # a submodule: adapted, saved, placed
             else:
-                self.__dict__[name] = module  # held beside: never adapted or trained
+                self.__dict__[name] = module.requires_grad_(False)  # held beside, never trained
+            if self.offload:
+                # WanPipeline calls the experts themselves (validation): each places itself.
+                # A bound method, so a deep copy of this module hooks the copy.
+                module.register_forward_pre_hook(self._before_expert, with_kwargs=True)
+
+    def _before_expert(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        states = kwargs.get("hidden_states", args[0] if args else None)
+        if states is not None and states.device.type != "meta":
+            self.place("high" if module is self.expert("high") else "low", states.device)
 
     def expert(self, name: str) -> nn.Module:
         """The transformer of expert `name` (`high` or `low`)."""
@@ -114,11 +144,29 @@ class WanExperts(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> WanExperts:
         # `.to(...)` moves the held expert with the trained one (validation draws with both).
-        super()._apply(fn, recurse)
+        # Offloading, the waiting expert takes the dtype and stays in CPU memory: it never
+        # reaches the accelerator beside the active one, not even while the base is placed.
         for name in EXPERTS:
-            if name not in self.trained:
-                self.__dict__[name]._apply(fn, recurse)
+            module = self.expert(name)
+            if self.offload and name != self.active:
+                for t in [*module.parameters(), *module.buffers()]:
+                    out = fn(t.data)  # a meta tensor (the estimate's parts) stays one
+                    t.data = out if t.device.type == "meta" else out.to("cpu")
+            else:
+                module._apply(fn, recurse)
         return self
+
+    def place(self, name: str, device: torch.device) -> None:
+        """Expert `name` (all its weights) on `device`; the other expert's frozen weights in
+        CPU memory, its trained ones left where they are. Nothing moves on a CPU run."""
+        if not self.offload or (name == self.active and self.expert(name).device == device):
+            return
+        other = next(e for e in EXPERTS if e != name)
+        for t in _frozen_tensors(self.expert(other)):
+            t.data = self.move(t.data, torch.device("cpu"))
+        for t in [*self.expert(name).parameters(), *self.expert(name).buffers()]:
+            t.data = self.move(t.data, device)
+        self.active = name
 
     @property
     def config(self) -> Any:
@@ -132,9 +180,9 @@ class WanExperts(nn.Module):
     def device(self) -> torch.device:
         return self.expert("high").device
 
-    def enable_gradient_checkpointing(self) -> None:
+    def enable_gradient_checkpointing(self, *args: Any, **kwargs: Any) -> None:
         for name in self.trained:
-            self.expert(name).enable_gradient_checkpointing()
+            self.expert(name).enable_gradient_checkpointing(*args, **kwargs)
 
     def add_adapter(self, config: Any, adapter_name: str = "default") -> None:
         """Inject a peft adapter into the trained experts (as diffusers' `add_adapter` does)."""
@@ -145,6 +193,10 @@ class WanExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs: Any) -> Any:
         """The forward of the expert the batch's timesteps select (all the same expert)."""
+        if timestep.device.type == "meta":  # the estimate's trace: one expert's step
+            return self.expert(self.active)(
+                hidden_states=hidden_states, timestep=timestep, **kwargs
+            )
         high = self.expert_of(timestep)
         if bool(high.any()) != bool(high.all()):
             raise KitError(
@@ -158,6 +210,15 @@ class WanExperts(nn.Module):
                 "run does not train"
             )
         return self.expert(name)(hidden_states=hidden_states, timestep=timestep, **kwargs)
+
+
+def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device)
+
+
+def _frozen_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The module's parameters that do not train, and its buffers."""
+    return [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
 
 
 def accept_for(experts: WanExperts, name: str) -> Any:

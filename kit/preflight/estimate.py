@@ -46,7 +46,7 @@ NO_BF16 = {"T4 16GB"}  # cards without bf16: mixed precision there means fp16
 CUDA_CONTEXT = int(0.45 * GIB)  # CUDA context and kernels, outside PyTorch's allocator
 ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share of the peak
 HOST_PROCESS = int(2.5 * GIB)  # Python, PyTorch and the CUDA libraries in host memory
-VERSION = 5  # bump when the trace changes: keys the on-disk cache
+VERSION = 6  # bump when the trace changes: keys the on-disk cache
 
 PERSISTENT = (
     "_weights",
@@ -177,7 +177,8 @@ def _trace_key(cfg: Config, shape: Shape | None) -> str:
             "family": m.model_family,
             "source": source if not configs else "",
             "configs": configs,
-            "model": [m.max_sequence_length, m.use_t5],
+            "model": [m.max_sequence_length, m.use_t5]
+            + ([m.train_experts] if m.train_experts else []),
             "frames": [d.num_frames, d.frame_stride],
             "network": cfg.to_dict()["network"],
             "shape": shape.__dict__ if shape else None,
@@ -425,8 +426,12 @@ def from_trace(
     loaded = sum(
         sum(v.values()) * (4 // half if n == "vae" else 1) for n, v in tr["frozen"].items()
     )
-    loading = {"loaded_weights": loaded + (trained if method.whole_denoiser else 0)}
+    waiting = tr.get("host_resident", {})  # a model of the denoiser kept off the GPU
+    loading = {
+        "loaded_weights": loaded + sum(waiting.values()) + (trained if method.whole_denoiser else 0)
+    }
     training = {
+        "waiting_model": sum(waiting.values()),
         "swapped_blocks": plan["host"],
         "cached_batch": 2 * tr["inputs_bytes"],  # the entries read, and the batch stacked
         "ema": ema_move,
@@ -440,6 +445,11 @@ def from_trace(
         f"the peak falls in the {phase}; persistent state is {persistent / GIB:.2f} GiB",
         "activations come from one traced training step on the meta device; attention is "
         "counted as flash / memory-efficient kernels keep it (output and log-sum-exp)",
+    ]
+    notes += [
+        f"one denoiser model at a time on the GPU: {label} waits in host RAM ({size / GIB:.2f} "
+        f"GiB{', not quantized there' if quant != 'none' else ''})"
+        for label, size in waiting.items()
     ]
     encoders = sum(comps[f"{n}_weights"] for n in tr["frozen"] if n != "denoiser")
     if split == "fsdp":
@@ -477,12 +487,14 @@ def from_trace(
     if host_phase == "load":
         notes.append(
             f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB while the base loads: its "
-            f"parts are read in the run's dtype ({loaded / GIB:.2f} GiB) before they move to the GPU"
+            f"parts are read in the run's dtype ({loading['loaded_weights'] / GIB:.2f} GiB) before "
+            "they move to the GPU"
         )
     else:
         notes.append(
             f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB in training: the swapped "
             f"blocks ({plan['host'] / GIB:.2f} GiB) stay there, pinned"
+            + (" and the waiting model with them" if waiting else "")
         )
     if shape.precision == "no":
         notes.append("fp32 training: bf16 mixed precision roughly halves activations")
