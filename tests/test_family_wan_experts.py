@@ -105,6 +105,19 @@ def test_one_expert_draws_only_its_timesteps(experts_base):
     assert abs(high - 0.3) < 0.07
 
 
+def test_what_two_experts_do_not_do_yet_is_refused(experts_base, monkeypatch):
+    from kit.errors import KitError
+
+    with pytest.raises(KitError, match="base_quantization: int8 with Wan 2.2's two experts"):
+        wan22(experts_base, base_quantization="int8").load(str(experts_base))
+    with pytest.raises(KitError, match="blocks_to_swap with Wan 2.2's two experts"):
+        wan = wan22(experts_base)
+        wan.swap_blocks(wan.load(str(experts_base)).denoiser)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(KitError, match="two experts train on one process"):
+        wan22(experts_base).load(str(experts_base))
+
+
 def test_train_experts_is_refused_for_one_transformer(tiny_base):
     base = tiny_base("wan")
     wan = get_family("wan", Config().replace(pretrained_model=str(base), train_experts="high"))

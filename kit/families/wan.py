@@ -6,6 +6,7 @@ frame, so a clip has 4k+1 frames; the transformer patches latents by (1, 2, 2).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,7 @@ class Wan(Family):
                     f"pretrained_model {pretrained}: one file holds one Wan 2.2 expert; train "
                     "the two-expert model from its diffusers folder or hub id"
                 )
+            _refuse_with_experts(self.cfg)
             low = WanTransformer3DModel.from_pretrained(
                 source,
                 subfolder=PIPELINE_NAMES["low"],
@@ -469,6 +471,24 @@ class Wan(Family):
             return make_tiny_experts(build_transformer(), build_transformer, out_dir, parts)
         pipe = WanPipeline(**parts, transformer=build_transformer(), expand_timesteps=ti2v)
         return tiny.save_pipeline(pipe, out_dir)
+
+
+def _refuse_with_experts(cfg: Any) -> None:
+    """What the two-expert denoiser does not do yet, refused by name before it loads."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each process would train the expert of its own batch, and DDP averages gradients
+        # over all of them: the other expert would step on zeros.
+        raise KitError(
+            "Wan 2.2's two experts train on one process for now (each step trains the expert of "
+            "its timesteps, which differs between processes); launch without accelerate / "
+            "torchrun, or train one expert per run (train_experts: high, then low)"
+        )
+    if cfg.model.base_quantization != "none":
+        raise KitError(
+            f"base_quantization: {cfg.model.base_quantization} with Wan 2.2's two experts is not "
+            "supported yet (moving a quantized expert to CPU memory and back is untested); set "
+            "base_quantization: none"
+        )
 
 
 def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
