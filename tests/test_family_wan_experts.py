@@ -373,3 +373,23 @@ def test_ti2v_timesteps_per_token_equal_the_pipelines(tmp_path):
         ((_, ours),) = seen_kit
         for key in ("hidden_states", "timestep", "encoder_hidden_states"):
             assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_model_card_loads_each_expert_file_into_its_transformer(experts_base):
+    from kit.export.card import diffusers_usage
+    from kit.methods import get_method
+
+    wan = wan22(experts_base)
+    files = {
+        "diffusers": [
+            "pytorch_lora_weights_high_noise.safetensors",
+            "pytorch_lora_weights_low_noise.safetensors",
+        ]
+    }
+    code = diffusers_usage(wan, get_method(wan.cfg, wan), files, "me/lora", "base", "a zorbic")
+    lines = [x for x in code.splitlines() if "load_lora_weights" in x]
+    assert lines == [
+        'pipe.load_lora_weights("me/lora", weight_name="pytorch_lora_weights_high_noise.safetensors")',
+        'pipe.load_lora_weights("me/lora", weight_name="pytorch_lora_weights_low_noise.safetensors", '
+        "load_into_transformer_2=True)",
+    ]
