@@ -86,15 +86,12 @@ def frozen(*modules: nn.Module | None) -> None:
     """Freeze and switch to eval mode every given (loaded) module."""
     for m in modules:
         if m is not None:
-            m.requires_grad_(False)
-            m.eval()
+            m.requires_grad_(False).eval()
 
 
 def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tensor:
-    """The VAE posterior's mean, or with `generator` a sample of it: mean + std · ε.
-
-    ε is drawn in fp32 on the CPU generator, so a seed gives the same latents on any device.
-    """
+    """The VAE posterior's mean, or with `generator` a sample of it, mean + std · ε, with ε
+    drawn in fp32 on the CPU generator so that a seed gives the same latents on any device."""
     mean = dist.mean
     if generator is None:
         return mean
@@ -176,9 +173,12 @@ class Family(ABC):
         }
 
     def variant_of(self, pretrained: str) -> str:
-        """Which of `variants` the base `pretrained` is, read from its configs without loading
-        weights; "" for a family with one variant."""
+        """Which of `variants` the base `pretrained` is (from its configs); "" for one variant."""
         return ""
+
+    def quantization_refusal(self, kind: str) -> str | None:
+        """Why the configured base cannot be stored as `kind` (`base_quantization`), or None."""
+        return None
 
     def distillation(self, pretrained: str) -> str:
         """Why the base `pretrained` is step-distilled (trained to sample in a few steps without

@@ -88,6 +88,15 @@ class Wan(Family):
             return self.variants[1]
         return self.variants[2] if index.get("expand_timesteps") else self.variants[0]
 
+    def quantization_refusal(self, kind):
+        if read_experts(self.model_source(self.cfg.model.pretrained_model)) is None:
+            return None
+        return (
+            "Wan 2.2's two experts are not stored quantized yet (the expert that waits in CPU "
+            "memory would move as quantized weights, which is untested); set base_quantization: "
+            "none"
+        )
+
     def experts(self, source: str) -> tuple[str, ...]:
         """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
         with one transformer; refuses `train_experts` there (see kit.families.wan_experts)."""
@@ -159,7 +168,7 @@ class Wan(Family):
                     f"pretrained_model {pretrained}: one file holds one Wan 2.2 expert; train "
                     "the two-expert model from its diffusers folder or hub id"
                 )
-            _refuse_with_experts(self.cfg)
+            _refuse_with_experts()
             low = WanTransformer3DModel.from_pretrained(
                 source,
                 subfolder=PIPELINE_NAMES["low"],
@@ -473,7 +482,7 @@ class Wan(Family):
         return tiny.save_pipeline(pipe, out_dir)
 
 
-def _refuse_with_experts(cfg: Any) -> None:
+def _refuse_with_experts() -> None:
     """What the two-expert denoiser does not do yet, refused by name before it loads."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Each process would train the expert of its own batch, and DDP averages gradients
@@ -482,12 +491,6 @@ def _refuse_with_experts(cfg: Any) -> None:
             "Wan 2.2's two experts train on one process for now (each step trains the expert of "
             "its timesteps, which differs between processes); launch without accelerate / "
             "torchrun, or train one expert per run (train_experts: high, then low)"
-        )
-    if cfg.model.base_quantization != "none":
-        raise KitError(
-            f"base_quantization: {cfg.model.base_quantization} with Wan 2.2's two experts is not "
-            "supported yet (moving a quantized expert to CPU memory and back is untested); set "
-            "base_quantization: none"
         )
 
 
