@@ -71,10 +71,20 @@ def cmd_families(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
+    import inspect
+
     from kit.families import get_family
 
-    path = get_family(args.family).make_tiny(args.out_dir, seed=args.seed)
-    print(f"wrote a tiny random-init {args.family} model to {path}")
+    family = get_family(args.family)
+    extra = {}
+    if args.variant:
+        # Only a family whose tiny copy comes in several layouts takes one (Wan: 2.1, 2.2 A14B's
+        # two experts, TI2V-5B).
+        if "variant" not in inspect.signature(family.make_tiny).parameters:
+            raise KitError(f"--variant: {args.family} writes one tiny layout; leave it out")
+        extra["variant"] = args.variant
+    path = family.make_tiny(args.out_dir, seed=args.seed, **extra)
+    print(f"wrote a tiny random-init {args.family} {args.variant or ''} model to {path}")
     return 0
 
 
@@ -345,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("family")
     sp.add_argument("out_dir")
     sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument(
+        "--variant", default="", help="a layout of the family (`kit families` lists them)"
+    )
     sp.set_defaults(func=cmd_tiny)
 
     cli_data.add_commands(sub, with_config)

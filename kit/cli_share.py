@@ -39,7 +39,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             failed.append(fmt)
             continue
         v = r.verification
-        print(f"{fmt}: {r.path} (step {r.step}; {v.describe() if v else 'not verified'})")
+        paths = ", ".join(f"{p} ({part})" for part, p in r.files.items()) or r.path
+        print(f"{fmt}: {paths} (step {r.step}; {v.describe() if v else 'not verified'})")
         for note in v.notes if v else []:
             print(f"  note: {note}")
     return 2 if failed else 0

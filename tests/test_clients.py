@@ -683,7 +683,7 @@ def test_two_independent_ldm_namings_agree(name, tiny_base):
     keys alone) name every weight of the tiny UNets alike."""
     from diffusers import UNet2DConditionModel
 
-    from kit.families.base import ldm_aliases
+    from kit.families.ldm import ldm_aliases
 
     unet = UNet2DConditionModel.from_pretrained(tiny_base(name), subfolder="unet")
     from_keys = ldm_unet_map(unet.state_dict())

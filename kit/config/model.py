@@ -18,9 +18,10 @@ class ModelConfig:
     model_config: str = ""
     """For a single-file `pretrained_model`: where the architecture's configs, the tokenizers,
     the scheduler and any part the file lacks come from: a diffusers folder or hub id of the same
-    architecture, or a config the kit ships (`sd15`, `sdxl`, `sd35m`, `flux-dev`, `wan21-1.3b`);
-    empty takes the family's shipped config. The shipped configs hold no tokenizers or weights:
-    they describe the architecture (estimates, previews), and training needs a folder or hub id."""
+    architecture, or a config the kit ships (`kit families` lists them: `sd15`, `sdxl`,
+    `flux-dev`, `zimage-turbo`, `wan22-t2v-a14b`, ...); empty takes the family's shipped config.
+    The shipped configs hold no tokenizers or weights: they describe the architecture
+    (estimates, previews), and training needs a folder or hub id."""
     vae_model: str = ""
     """Another VAE to use (a diffusers folder, hub id or single file), e.g. an fp16-safe SDXL
     VAE; empty keeps the base model's."""
@@ -40,6 +41,10 @@ class ModelConfig:
     """Store the text encoders quantized while they fill the cache (and after, where they stay),
     so that a 7-24 B LLM encoder fits the card: `int8` / `fp8` take half of bf16, `nf4` (CUDA
     only) a quarter. The cached embeddings are then the quantized encoder's, keyed apart."""
+    train_experts: Literal["", "high", "low", "both"] = ""
+    """For a base with two experts (Wan 2.2 A14B: a high-noise `transformer`, a low-noise
+    `transformer_2`): train `high`, `low` or `both` (each step the expert of its timesteps);
+    empty trains both. Refused for a base with one transformer."""
     training_adapter: str = ""
     """A LoRA (file, folder or hub id) run inside a step-distilled base while training (e.g. a
     de-distilling adapter made for Z-Image Turbo or FLUX.2 klein) and left out of every export:

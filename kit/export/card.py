@@ -152,7 +152,11 @@ def diffusers_usage(
                 "from safetensors.torch import load_file",
             ]
     elif _first(files, "diffusers"):
-        body = [f'pipe.load_lora_weights("{repo}", weight_name="{_first(files, "diffusers")}")']
+        body = []
+        for name in files["diffusers"]:  # one file per model of the denoiser (`_<part>`)
+            part = Path(name).stem.removeprefix("pytorch_lora_weights").removeprefix("_")
+            extra = "".join(f", {k}={v!r}" for k, v in family.lora_load_kwargs(part).items())
+            body.append(f'pipe.load_lora_weights("{repo}", weight_name="{name}"{extra})')
     else:
         return (
             "diffusers' `load_lora_weights` does not read LoHa or LoKr weights; load the "

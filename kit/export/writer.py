@@ -7,7 +7,7 @@ converts the dtype, and verifies the result against the kit's own validation ima
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,9 @@ class ExportResult:
     path: Path
     step: int
     verification: Verification | None
+    files: dict[str, Path] = field(default_factory=dict)
+    """Each file by its part where the denoiser is several models (`Family.denoiser_files`):
+    one file per model, `path` the first; empty for one file."""
 
 
 def formats_for(cfg: Config, family: Family) -> tuple[str, ...]:
@@ -106,7 +109,20 @@ def export(
     meta = shared_metadata(run, cfg, family, method, step)
     out = Path(out_dir) if out_dir else run.exports / fmt
     out.mkdir(parents=True, exist_ok=True)
-    path, apply = method.write_export(fmt, weights, meta, step, out)
+    # An adapter file adapts one model: a denoiser of several gets one file per model (the
+    # whole-model formats hold them all).
+    parts = family.denoiser_files(weights) if method.low_rank else {"": weights}
+    written = {
+        part: method.write_export(fmt, w, {**meta, "kit.expert": part}, step, out, part)
+        if part
+        else method.write_export(fmt, w, meta, step, out)
+        for part, w in parts.items()
+    }
+    path, apply = next(iter(written.values()))
+    files = {part: p for part, (p, _) in written.items() if part}
+    if len(written) > 1:
+        applies = [(a, p) for p, a in written.values()]
+        apply = None if any(a is None for a, _ in applies) else _apply_all(applies)
     verification = None
     if verify:
         verification = (
@@ -116,7 +132,12 @@ def export(
         )
         if fmt == "kohya":
             trained = ckpt.exported_weights(source)
-            checks = check_clients(cfg, family, method, path, trained)
+            trained = family.denoiser_files(trained) if method.low_rank else {"": trained}
+            checks = [
+                check
+                for part, (file, _) in written.items()
+                for check in check_clients(cfg, family, method, file, trained[part], part)
+            ]
             verification.clients = as_records(checks)
             verification.passed = verification.passed and all(c.passed for c in checks)
             if not checks and apply is None:
@@ -129,10 +150,11 @@ def export(
                 for c in checks
                 if c.known_gap or c.skipped
             ]
-        write_json(
-            Path(f"{path}.verify.json" if path.is_dir() else path.with_suffix(".verify.json")),
-            verification.__dict__,
-        )
+        for file, _ in written.values():
+            write_json(
+                Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json")),
+                verification.__dict__,
+            )
         if not verification.passed:
             failing = [c for c in verification.clients if not c["passed"]]
             what = (
@@ -143,7 +165,18 @@ def export(
                 f"{verification.max_abs_diff} > {tolerance})"
             )
             raise KitError(f"{what}; the export is not trustworthy")
-    return ExportResult(fmt, path, step, verification)
+    return ExportResult(fmt, path, step, verification, files)
+
+
+def _apply_all(applies: list[tuple[Apply, Path]]) -> Apply:
+    """Apply every file of a denoiser of several models, each with its own loader call."""
+
+    def apply(pipe: Any, _path: Path) -> Any:
+        for each, file in applies:
+            pipe = each(pipe, file)
+        return pipe
+
+    return apply
 
 
 def _failure(check: dict[str, Any]) -> str:
@@ -155,14 +188,19 @@ def _failure(check: dict[str, Any]) -> str:
 
 
 def check_clients(
-    cfg: Config, family: Family, method: Any, path: Path, trained: dict[str, Any]
+    cfg: Config, family: Family, method: Any, path: Path, trained: dict[str, Any], part: str = ""
 ) -> list[ClientCheck]:
     """Load the exported file with each client's rules onto a fresh base and compare it with
-    peft's merge of what was trained."""
+    peft's merge of what was trained. `part`: the file's model, where the denoiser is several
+    (`Family.denoiser_files`); the checks then name it beside the client."""
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
     base = family.load(cfg.model.pretrained_model, revision=cfg.model.revision)
-    return check_file(load_file(str(path)), metadata, family, method, base, trained)
+    base = replace(base, denoiser=family.denoiser_part(base.denoiser, part))
+    checks = check_file(load_file(str(path)), metadata, family, method, base, trained)
+    for c in checks:
+        c.client = f"{c.client} ({part})" if part else c.client
+    return checks
 
 
 def reference_images(run: RunDir, step: int) -> list[tuple[ImageSpec, Path]]:

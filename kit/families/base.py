@@ -28,8 +28,12 @@ from kit.families.identity import (
     require_tokenizers,
     single_file,
 )
-from kit.families.ldm import unet_module_names
-from kit.families.noise import NoiseDraw, ddpm_noise_and_target, flow_noise_and_target
+from kit.families.noise import (
+    NoiseDraw,
+    ddpm_noise_and_target,
+    flow_noise_and_target,
+    flow_sampling,
+)
 from kit.families.samplers import DEFAULT, ImageSpec, check_validation
 from kit.families.shipped import SHIPPED
 
@@ -61,12 +65,8 @@ class Components:
 
     def missing_parts(self) -> tuple[str, ...]:
         """The parts (of `PARTS`) that were not loaded."""
-        have = {
-            "denoiser": self.denoiser is not None,
-            "vae": self.vae is not None,
-            "text_encoders": bool(self.text_encoders),
-        }
-        return tuple(p for p in PARTS if not have[p])
+        have = (self.denoiser is not None, self.vae is not None, bool(self.text_encoders))
+        return tuple(p for p, loaded in zip(PARTS, have, strict=True) if not loaded)
 
     def take_parts(self, other: Components) -> None:
         """Fill the parts this lacks from `other` (a later, partial load of the same model)."""
@@ -86,38 +86,17 @@ def frozen(*modules: nn.Module | None) -> None:
     """Freeze and switch to eval mode every given (loaded) module."""
     for m in modules:
         if m is not None:
-            m.requires_grad_(False)
-            m.eval()
+            m.requires_grad_(False).eval()
 
 
 def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tensor:
-    """The VAE posterior's mean, or with `generator` a sample of it: mean + std · ε.
-
-    ε is drawn in fp32 on the CPU generator, so a seed gives the same latents on any device.
-    """
+    """The VAE posterior's mean, or with `generator` a sample of it, mean + std · ε, with ε
+    drawn in fp32 on the CPU generator so that a seed gives the same latents on any device."""
     mean = dist.mean
     if generator is None:
         return mean
     noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
     return mean + dist.std * noise.to(mean)
-
-
-def ldm_aliases(unet_config: Any) -> dict[str, str]:
-    """What ComfyUI derives from an SD UNet's config (`unet_to_diffusers`): each diffusers
-    weight key → the same weight's key in the original layout."""
-    return {f"{d}.weight": f"{o}.weight" for d, o in unet_module_names(unet_config).items()}
-
-
-def flow_sampling(sampling: str, loss_weighting: str) -> str:
-    """The σ sampling a flow-matching run uses: `auto` becomes logit-normal, or uniform when a
-    loss weighting is chosen.
-
-    diffusers pairs `sigma_sqrt` and `cosmap` with uniform σ: the weight is the density
-    correction, so on top of logit-normal draws it would weight the middle twice.
-    """
-    if sampling != "auto":
-        return sampling
-    return "logit_normal" if loss_weighting == "none" else "uniform"
 
 
 class Family(FamilyExports, ABC):
@@ -211,9 +190,12 @@ class Family(FamilyExports, ABC):
         }
 
     def variant_of(self, pretrained: str) -> str:
-        """Which of `variants` the base `pretrained` is, read from its configs without loading
-        weights; "" for a family with one variant."""
+        """Which of `variants` the base `pretrained` is (from its configs); "" for one variant."""
         return ""
+
+    def quantization_refusal(self, kind: str) -> str | None:
+        """Why the configured base cannot be stored as `kind` (`base_quantization`), or None."""
+        return None
 
     def distillation(self, pretrained: str) -> str:
         """Why the base `pretrained` is step-distilled (trained to sample in a few steps without

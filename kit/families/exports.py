@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from kit.errors import KitError
 from kit.families.adapter_keys import lora_keys
@@ -52,6 +53,22 @@ class FamilyExports:
             kwargs[f"{name}_lora_adapter_metadata"] = adapter_configs[part]
         cls.save_lora_weights(out_dir, **kwargs, safe_serialization=True)
         return Path(out_dir) / "pytorch_lora_weights.safetensors"
+
+    def denoiser_files(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """Adapter weights by exported file: a name part → its weights, named as for one model."""
+        return {"": state}
+
+    def denoiser_part(self, denoiser: nn.Module, part: str) -> nn.Module:
+        """The model within the denoiser that file `part` (of `denoiser_files`) adapts."""
+        return denoiser
+
+    def host_resident(self, denoiser: nn.Module) -> dict[str, nn.Module]:
+        """Models of the denoiser whose frozen weights wait in host RAM while another trains."""
+        return {}
+
+    def lora_load_kwargs(self, part: str) -> dict[str, Any]:
+        """The `load_lora_weights` arguments that load file `part` into its model."""
+        return {}
 
     def kohya_module(self, module: str) -> str:
         """A denoiser module's path as the kohya file names it (the clients' model naming):

@@ -512,3 +512,9 @@ __all__ = [
     "unet_to_ldm",
     "vae_to_ldm",
 ]
+
+
+def ldm_aliases(unet_config: Any) -> dict[str, str]:
+    """What ComfyUI derives from an SD UNet's config (`unet_to_diffusers`): each diffusers
+    weight key → the same weight's key in the original layout."""
+    return {f"{d}.weight": f"{o}.weight" for d, o in unet_module_names(unet_config).items()}

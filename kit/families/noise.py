@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from kit.errors import KitError
 
 
 @dataclass
@@ -17,6 +20,18 @@ class NoiseDraw:
     target: torch.Tensor
     weight: torch.Tensor | None = None
     """Per-sample loss weight (e.g. a flow-matching density correction); None means 1."""
+
+
+def flow_sampling(sampling: str, loss_weighting: str) -> str:
+    """The σ sampling a flow-matching run uses: `auto` becomes logit-normal, or uniform when a
+    loss weighting is chosen.
+
+    diffusers pairs `sigma_sqrt` and `cosmap` with uniform σ: the weight is the density
+    correction, so on top of logit-normal draws it would weight the middle twice.
+    """
+    if sampling != "auto":
+        return sampling
+    return "logit_normal" if loss_weighting == "none" else "uniform"
 
 
 def ddpm_noise_and_target(
@@ -86,6 +101,7 @@ def flow_noise_and_target(
     num_train_timesteps: int = 1000,
     min_timestep: int = 0,
     max_timestep: int = 1000,
+    accept: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> NoiseDraw:
     """Rectified-flow draw: x_t = (1 - σ) x0 + σ ε, target ε - x0; σ sampled as configured.
 
@@ -99,24 +115,83 @@ def flow_noise_and_target(
     noisy end) but never moves the bounds themselves: σ stays inside whatever the shift.
     Every draw is kept (no rejection sampling), so the random sequence is the same for any
     bounds; σ meets the upper bound only where an unbounded draw would give σ = 1 exactly.
+
+    `accept` (timesteps σ·num_train_timesteps → a bool per draw) keeps only the draws it
+    accepts, drawing more until the batch is full: the configured distribution conditioned on
+    the accepted set (a Wan 2.2 expert's side of its boundary). Without it nothing changes.
     """
     b = latents.shape[0]
     noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
     noise = noise.to(latents.device, latents.dtype)
+    options = {
+        "sampling": sampling,
+        "logit_mean": logit_mean,
+        "logit_std": logit_std,
+        "mode_scale": mode_scale,
+        "shift": shift,
+        "min_timestep": min_timestep,
+        "max_timestep": max_timestep,
+    }
+    sigma = flow_sigmas(b, generator, **options)
+    if accept is not None:
+        sigma = _accepted(sigma, accept, num_train_timesteps, generator, options)
+    sigma = sigma.to(latents.device)
+    s = sigma.view(b, *([1] * (latents.ndim - 1))).to(latents.dtype)
+    noisy = (1 - s) * latents + s * noise
+    return NoiseDraw(noisy, sigma * num_train_timesteps, noise - latents)
+
+
+def flow_sigmas(
+    n: int,
+    generator: torch.Generator,
+    *,
+    sampling: str = "uniform",
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    shift: float = 1.0,
+    min_timestep: int = 0,
+    max_timestep: int = 1000,
+) -> torch.Tensor:
+    """`n` flow-matching σ on the CPU as `flow_noise_and_target` draws them (its options)."""
     if sampling == "logit_normal":
-        u = torch.sigmoid(logit_mean + logit_std * torch.randn(b, generator=generator))
+        u = torch.sigmoid(logit_mean + logit_std * torch.randn(n, generator=generator))
     elif sampling == "mode":
-        u = torch.rand(b, generator=generator)
+        u = torch.rand(n, generator=generator)
         u = 1 - u - mode_scale * (torch.cos(torch.pi * u / 2) ** 2 - 1 + u)
     elif sampling == "uniform":
-        u = torch.rand(b, generator=generator)
+        u = torch.rand(n, generator=generator)
     else:
         raise ValueError(f"unknown timestep sampling {sampling!r}")
     sigma = shift * u / (1 + (shift - 1) * u)
     lo, hi = min_timestep / 1000, max_timestep / 1000
     if (lo, hi) != (0.0, 1.0):  # the full range leaves σ as drawn, bit for bit
         sigma = lo + (hi - lo) * sigma
-    sigma = sigma.to(latents.device)
-    s = sigma.view(b, *([1] * (latents.ndim - 1))).to(latents.dtype)
-    noisy = (1 - s) * latents + s * noise
-    return NoiseDraw(noisy, sigma * num_train_timesteps, noise - latents)
+    return sigma
+
+
+MAX_REDRAWS = 1000
+"""Rounds of rejection before a σ range is called empty (for any range a run would use, a
+handful of rounds fill a batch)."""
+
+
+def _accepted(
+    sigma: torch.Tensor,
+    accept: Callable[[torch.Tensor], torch.Tensor],
+    num_train_timesteps: int,
+    generator: torch.Generator,
+    options: dict[str, Any],
+) -> torch.Tensor:
+    """The first len(sigma) draws of the stream `sigma`, then fresh draws, that `accept` keeps."""
+    n = sigma.shape[0]
+    kept = sigma[accept(sigma * num_train_timesteps)]
+    for _ in range(MAX_REDRAWS):
+        if kept.shape[0] >= n:
+            return kept[:n]
+        more = flow_sigmas(n, generator, **options)
+        kept = torch.cat([kept, more[accept(more * num_train_timesteps)]])
+    raise KitError(
+        f"no timestep in {MAX_REDRAWS * n} draws fell where this run trains (the expert's side "
+        "of the boundary within min_timestep / max_timestep); widen min_timestep / max_timestep "
+        "or train the other expert"
+    )

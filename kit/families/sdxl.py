@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from kit.families import adapter_keys, ldm, register, tiny
-from kit.families.base import PARTS, Components, Family, ldm_aliases, posterior_latent
+from kit.families.base import PARTS, Components, Family, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
+from kit.families.ldm import ldm_aliases
 from kit.families.samplers import DDPM_SAMPLERS
 from kit.families.shipped import config_source
 

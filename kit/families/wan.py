@@ -6,15 +6,31 @@ frame, so a clip has 4k+1 frames; the transformer patches latents by (1, 2, 2).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from kit.errors import KitError
 from kit.families import adapter_keys, register, tiny, wan_layout
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
-from kit.families.identity import saved_scheduler
+from kit.families.base import PARTS, Components, Family, NoiseDraw, flow_sampling, posterior_latent
+from kit.families.identity import part_dtype, saved_scheduler, single_file
+from kit.families.noise import flow_noise_and_target, flow_sigmas
 from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.wan_experts import (
+    EXPERT_OF_FILE,
+    EXPERTS,
+    FILE_SUFFIX,
+    PIPELINE_NAMES,
+    WanExperts,
+    accept_for,
+    make_tiny_experts,
+    read_experts,
+    read_index,
+    split_state,
+    trained_experts,
+)
 
 TEMPORAL_FACTOR = 4
 """Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
@@ -45,6 +61,8 @@ class Wan(Family):
     modelspec_architecture = "wan2.1"  # musubi-tuner's value
     modelspec_implementation = "https://github.com/Wan-Video/Wan2.1"
     video = True
+    # Which one a base is, read from its model_index.json (`variant_of`).
+    variants = ("Wan 2.1 T2V", "Wan 2.2 T2V A14B (two experts)", "Wan 2.2 TI2V 5B")
 
     @property
     def max_sequence_length(self) -> int:
@@ -61,11 +79,56 @@ class Wan(Family):
     single_file_markers = ("blocks.0.self_attn.q.weight",)
 
     def identity_extras(self, pretrained, revision):
+        # Read before anything is cached: `train_experts` on a base without experts is refused.
+        self.experts(pretrained)
         # Cached embeddings are padded to the sequence length, so it is part of their key.
         return self.max_sequence_length
 
+    def variant_of(self, pretrained):
+        # Two transformers and a boundary: A14B; a timestep per token: TI2V-5B.
+        index = read_index(self.model_source(pretrained))
+        if read_experts(self.model_source(pretrained)) is not None:
+            return self.variants[1]
+        return self.variants[2] if index.get("expand_timesteps") else self.variants[0]
+
+    def quantization_refusal(self, kind):
+        if read_experts(self.model_source(self.cfg.model.pretrained_model)) is None:
+            return None
+        return (
+            "Wan 2.2's two experts are not stored quantized yet (the expert that waits in CPU "
+            "memory would move as quantized weights, which is untested); set base_quantization: "
+            "none"
+        )
+
+    def experts(self, source: str) -> tuple[str, ...]:
+        """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
+        with one transformer; refuses `train_experts` there (see kit.families.wan_experts)."""
+        return trained_experts(self.cfg.model.train_experts, read_experts(source), source)
+
     def kohya_module(self, module):
         return wan_layout.original_name(module)
+
+    def denoiser_files(self, state):
+        # Two experts: one file each, as diffusers and ComfyUI load one LoRA per transformer.
+        if any(k.split(".", 1)[0] in EXPERTS for k in state):
+            return {FILE_SUFFIX[e]: w for e, w in split_state(state).items()}
+        return {"": state}
+
+    def denoiser_part(self, denoiser, part):
+        return denoiser.expert(EXPERT_OF_FILE[part]) if part else denoiser
+
+    def host_resident(self, denoiser):
+        # One expert waits in CPU memory while the other trains (kit.families.wan_experts).
+        if not isinstance(denoiser, WanExperts):
+            return {}
+        if len(denoiser.trained) == 2:
+            return {"the expert a step does not train (they change places)": denoiser.low}
+        held = next(e for e in ("high", "low") if e not in denoiser.trained)
+        return {f"the untrained {held}-noise expert (for validation)": denoiser.expert(held)}
+
+    def lora_load_kwargs(self, part):
+        # diffusers' WanLoraLoaderMixin loads into transformer_2 when asked, by this keyword.
+        return {"load_into_transformer_2": True} if part == FILE_SUFFIX["low"] else {}
 
     def client_models(self, comps):
         # ComfyUI holds Wan in its original layout and reads LoRA by those names only.
@@ -88,7 +151,7 @@ class Wan(Family):
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
-        return self.load_parts(
+        comps = self.load_parts(
             pretrained,
             parts,
             revision=revision,
@@ -100,6 +163,28 @@ class Wan(Family):
             tokenizers=[self._tokenizer(pretrained, revision)],
             scheduler=self._training_scheduler(pretrained, revision),
         )
+        source = self.model_source(pretrained)
+        info = read_experts(source)
+        if info is not None and comps.denoiser is not None:
+            if single_file(pretrained):
+                raise KitError(
+                    f"pretrained_model {pretrained}: one file holds one Wan 2.2 expert; train "
+                    "the two-expert model from its diffusers folder or hub id"
+                )
+            _refuse_with_experts()
+            low = WanTransformer3DModel.from_pretrained(
+                source,
+                subfolder=PIPELINE_NAMES["low"],
+                revision=revision,
+                variant=variant,
+                torch_dtype=part_dtype(dtype, "denoiser"),
+            ).requires_grad_(False)
+            steps = comps.noise_scheduler.config.num_train_timesteps
+            trained = self.experts(source)
+            comps.denoiser = WanExperts(
+                comps.denoiser.eval(), low.eval(), info.boundary_ratio, steps, trained
+            )
+        return comps
 
     def load_tokenizers(self, pretrained):
         return {"text_encoder": self._tokenizer(pretrained)}
@@ -162,9 +247,52 @@ class Wan(Family):
     # ------------------------------------------------------------ training
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        return self.flow_draw(comps, latents, generator, comps.noise_scheduler.config.shift)
+        shift = comps.noise_scheduler.config.shift
+        experts = getattr(comps.denoiser, "module", comps.denoiser)  # DDP keeps it in .module
+        if not isinstance(experts, WanExperts):
+            return self.flow_draw(comps, latents, generator, shift)
+        return self._expert_draw(experts, latents, generator, shift)
+
+    def _expert_draw(self, experts: WanExperts, latents, generator, shift) -> NoiseDraw:
+        """`flow_draw` on one expert's side of the boundary: the trained expert's, or with both
+        trained the expert of a first σ drawn from the whole distribution (see wan_experts)."""
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        o = self.cfg.objective
+        steps = experts.num_train_timesteps
+        options = {
+            "sampling": flow_sampling(o.timestep_sampling, o.loss_weighting),
+            "logit_mean": o.logit_mean,
+            "logit_std": o.logit_std,
+            "mode_scale": o.mode_scale,
+            "shift": shift,
+            "min_timestep": o.min_timestep,
+            "max_timestep": o.max_timestep,
+        }
+        if len(experts.trained) == 1:
+            name = experts.trained[0]
+        else:
+            first = flow_sigmas(1, generator, **options) * steps
+            name = "high" if bool(experts.expert_of(first)[0]) else "low"
+        draw = flow_noise_and_target(
+            latents,
+            generator,
+            **options,
+            num_train_timesteps=steps,
+            accept=accept_for(experts, name),
+        )
+        if o.loss_weighting != "none":
+            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
+        return draw
 
     def predict(self, comps, noisy, timesteps, cond):
+        if read_index(comps.source).get("expand_timesteps"):
+            # TI2V-5B: a timestep per latent token, as WanPipeline's `expand_timesteps` builds
+            # it from its all-ones mask over the (1, 2, 2) patches (first-frame conditioning,
+            # which zeroes the first frame's, is not trained yet).
+            mask = torch.ones(noisy.shape[2:], dtype=torch.float32, device=noisy.device)
+            tokens = mask[:, ::2, ::2].flatten()
+            timesteps = torch.stack([tokens * t for t in timesteps.float()])
         return comps.denoiser(
             hidden_states=noisy,
             timestep=timesteps,
@@ -173,6 +301,11 @@ class Wan(Family):
         )[0]
 
     def swap_blocks(self, denoiser):
+        if isinstance(denoiser, WanExperts):
+            raise KitError(
+                "blocks_to_swap with Wan 2.2's two experts is not supported yet (each step runs "
+                "one expert's blocks); set blocks_to_swap: 0"
+            )
         return list(denoiser.blocks)
 
     # ------------------------------------------------------------ sampling
@@ -180,12 +313,22 @@ class Wan(Family):
     def pipeline(self, comps):
         from diffusers import WanPipeline
 
+        denoiser = getattr(comps.denoiser, "module", comps.denoiser)
+        experts: dict[str, Any] = {"transformer": denoiser}
+        if isinstance(denoiser, WanExperts):
+            # Both experts with their adapters, switched at the base's own boundary.
+            experts = {
+                "transformer": denoiser.expert("high"),
+                "transformer_2": denoiser.expert("low"),
+                "boundary_ratio": denoiser.boundary_ratio,
+            }
         return WanPipeline(
             tokenizer=comps.tokenizers[0],
             text_encoder=comps.text_encoders[0],
             vae=comps.vae,
             scheduler=saved_scheduler(comps.source, "FlowMatchEulerDiscreteScheduler"),
-            transformer=comps.denoiser,
+            expand_timesteps=bool(read_index(comps.source).get("expand_timesteps")),
+            **experts,
         )
 
     def call_kwargs(self, spec):
@@ -221,13 +364,30 @@ class Wan(Family):
         from transformers import UMT5EncoderModel
 
         # Buffers too: the rotary tables must be on the meta device with the activations.
-        return self.empty_from_configs(
+        parts = self.empty_from_configs(
             pretrained,
             denoiser=(WanTransformer3DModel, "transformer"),
             vae=(AutoencoderKLWan, "vae"),
             encoders=[(UMT5EncoderModel, "text_encoder")],
             include_buffers=True,
         )
+        source = self.model_source(pretrained)
+        trained = self.experts(source)  # refuses train_experts on a base without experts
+        info = read_experts(source)
+        if info is not None:
+            # The second expert: the same architecture, its own config.
+            config = WanTransformer3DModel.load_config(source, subfolder=PIPELINE_NAMES["low"])
+            with torch.device("meta"):
+                low = WanTransformer3DModel.from_config(config)
+            steps = saved_scheduler(source, "FlowMatchEulerDiscreteScheduler").config
+            parts["denoiser"] = WanExperts(
+                parts["denoiser"],
+                low,
+                info.boundary_ratio,
+                steps.num_train_timesteps,
+                trained,
+            )
+        return parts
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]
@@ -244,7 +404,13 @@ class Wan(Family):
 
     # ------------------------------------------------------------ tiny copy
 
-    def make_tiny(self, out_dir, seed=0):
+    def make_tiny(self, out_dir, seed=0, variant: str = ""):
+        """The tiny Wan 2.1 T2V, or the layout of another of `variants` (two experts; TI2V-5B's
+        48-channel residual VAE with 2x2 patches and per-token timesteps)."""
+        variant = variant or self.variants[0]
+        if variant not in self.variants:
+            raise KitError(f"no Wan variant '{variant}' (choose from {', '.join(self.variants)})")
+        ti2v = variant == self.variants[2]
         from diffusers import (
             AutoencoderKLWan,
             FlowMatchEulerDiscreteScheduler,
@@ -274,28 +440,61 @@ class Wan(Family):
             num_res_blocks=1,
             temperal_downsample=[False, True, True],
         )
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=4,
-            attention_head_dim=16,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=256,
-            ffn_dim=128,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-        pipe = WanPipeline(
-            tokenizer=tokenizer,
-            text_encoder=text_encoder,
-            vae=vae,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-            transformer=transformer,
-        )
+        if ti2v:  # the Wan 2.2 VAE: 48 channels, 16x in space (2x2 pixel patches inside)
+            vae = AutoencoderKLWan(
+                base_dim=12,
+                z_dim=48,
+                in_channels=12,
+                out_channels=12,
+                is_residual=True,
+                patch_size=2,
+                scale_factor_spatial=16,
+                scale_factor_temporal=4,
+                dim_mult=[1, 1, 1, 1],
+                num_res_blocks=1,
+                temperal_downsample=[False, True, True],
+                latents_mean=[0.0] * 48,
+                latents_std=[1.0] * 48,
+            )
+
+        def build_transformer():
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2),
+                num_attention_heads=4,
+                attention_head_dim=16,
+                in_channels=vae.config.z_dim,
+                out_channels=vae.config.z_dim,
+                text_dim=32,
+                freq_dim=256,
+                ffn_dim=128,
+                num_layers=2,
+                cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads",
+                rope_max_seq_len=32,
+            )
+
+        parts = {
+            "tokenizer": tokenizer,
+            "text_encoder": text_encoder,
+            "vae": vae,
+            "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
+        }
+        if variant == self.variants[1]:
+            return make_tiny_experts(build_transformer(), build_transformer, out_dir, parts)
+        pipe = WanPipeline(**parts, transformer=build_transformer(), expand_timesteps=ti2v)
         return tiny.save_pipeline(pipe, out_dir)
+
+
+def _refuse_with_experts() -> None:
+    """What the two-expert denoiser does not do yet, refused by name before it loads."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Each process would train the expert of its own batch, and DDP averages gradients
+        # over all of them: the other expert would step on zeros.
+        raise KitError(
+            "Wan 2.2's two experts train on one process for now (each step trains the expert of "
+            "its timesteps, which differs between processes); launch without accelerate / "
+            "torchrun, or train one expert per run (train_experts: high, then low)"
+        )
 
 
 def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -275,9 +276,12 @@ class Adapter(Method):
         """`ss_network_args` of the kohya file."""
         return {}
 
-    def write_export(self, fmt, weights, meta, step, out) -> tuple[Path, Apply]:
+    def write_export(self, fmt, weights, meta, step, out, part: str = "") -> tuple[Path, Apply]:
+        """`part`: the file of one model of a denoiser of several (`Family.denoiser_files`),
+        whose `weights` are named as for that model alone; its name ends in `_<part>`."""
         family = self.family
         parts = family.empty_parts(self.cfg.model.pretrained_model)
+        parts["denoiser"] = family.denoiser_part(parts["denoiser"], part)
         alpha, rank = float(self.alpha()), int(self.cfg.network.lora_rank)
         meta = {**meta, "kit.rank": str(rank), "kit.alpha": str(alpha)}
         if fmt == "diffusers":
@@ -296,13 +300,17 @@ class Adapter(Method):
             layers = {
                 part: fold_scale(state, alpha / rank) for part, state in self.split(weights).items()
             }
-            return _write_diffusers(family, layers, configs, meta, out), load_lora
-        path = self._write_kohya(self.kohya_tensors(weights), alpha, rank, meta, step, out)
-        return path, self.kohya_apply()
+            apply = partial(load_lora, **family.lora_load_kwargs(part))
+            return _write_diffusers(family, layers, configs, meta, out, part), apply
+        path = self._write_kohya(self.kohya_tensors(weights), alpha, rank, meta, step, out, part)
+        kohya = self.kohya_apply()
+        return path, kohya and partial(kohya, **family.lora_load_kwargs(part))
 
-    def _write_kohya(self, tensors, alpha: float, rank: int, meta, step: int, out: Path) -> Path:
+    def _write_kohya(
+        self, tensors, alpha: float, rank: int, meta, step: int, out: Path, part: str = ""
+    ) -> Path:
         cfg = self.cfg
-        name = Path(cfg.train.output_dir).name or "lora"
+        name = (Path(cfg.train.output_dir).name or "lora") + (f"_{part}" if part else "")
         metadata = {
             **meta,
             "ss_network_module": self.kohya_network_module,
@@ -323,13 +331,13 @@ class Adapter(Method):
         return path
 
 
-def _write_diffusers(family: Family, layers, configs, meta, out: Path) -> Path:
+def _write_diffusers(family: Family, layers, configs, meta, out: Path, part: str = "") -> Path:
     with tempfile.TemporaryDirectory(dir=out) as tmp:
         written = family.save_diffusers_lora(layers, configs, Path(tmp))
         with safe_open(str(written), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             metadata = {**(f.metadata() or {}), **meta}
-        path = out / written.name
+        path = out / (f"{written.stem}_{part}{written.suffix}" if part else written.name)
         write_with(path, lambda t: save_file(tensors, str(t), metadata=metadata))
     return path
 

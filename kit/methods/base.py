@@ -92,13 +92,14 @@ class Method:
 
     def quantization_refusal(self, kind: str) -> str | None:
         """Why this method cannot train on a base stored as `kind` (`base_quantization`), and
-        what to do instead; None when it can. A method that trains the whole denoiser cannot."""
+        what to do instead; None when it can. A method that trains the whole denoiser cannot,
+        nor any method where the family refuses it for the configured base."""
         if self.whole_denoiser:
             return (
                 "the denoiser's own weights train, and quantized weights cannot take gradient "
                 "steps; set base_quantization: none, or train an adapter (network_type: lora)"
             )
-        return None
+        return self.family.quantization_refusal(kind)
 
     def param_groups(self, comps: Components) -> list[dict[str, Any]]:
         """The trained parameters as optimizer groups, in `parameters`' order; a group's `lr`,
@@ -178,9 +179,10 @@ def unwrap(module: nn.Module) -> nn.Module:
     return getattr(module, "module", module)
 
 
-def load_lora(pipe: Any, path: Path) -> Any:
-    """Apply a LoRA file as diffusers users do: `load_lora_weights`."""
-    pipe.load_lora_weights(str(path.parent), weight_name=path.name)
+def load_lora(pipe: Any, path: Path, **kwargs: Any) -> Any:
+    """Apply a LoRA file as diffusers users do: `load_lora_weights` (with `kwargs`, e.g. the
+    model of a pipeline with several that the file is for)."""
+    pipe.load_lora_weights(str(path.parent), weight_name=path.name, **kwargs)
     return pipe
 
 

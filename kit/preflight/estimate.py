@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,16 @@ from kit.families.identity import fingerprint
 from kit.families.shipped import config_source
 from kit.methods import Method, get_method
 from kit.preflight.layout import LAYOUTS, ZERO_BUCKET, Layout, layout_note, part, wrapped_units
-from kit.preflight.storage import Storage, check_quant, check_swap, stored, swap_plan
+from kit.preflight.storage import (
+    ALLOCATOR_RESERVE,
+    CUDA_CONTEXT,
+    Storage,
+    check_quant,
+    check_swap,
+    setup_phase,
+    stored,
+    swap_plan,
+)
 from kit.preflight.trace import Shape, trace
 from kit.sample.embedded import draws_from_embeddings
 
@@ -44,8 +52,6 @@ GPUS = {
     "H100 80GB": 79.1,
 }
 NO_BF16 = {"T4 16GB"}  # cards without bf16: mixed precision there means fp16
-CUDA_CONTEXT = int(0.45 * GIB)  # CUDA context and kernels, outside PyTorch's allocator
-ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share of the peak
 HOST_PROCESS = int(2.5 * GIB)  # Python, PyTorch and the CUDA libraries in host memory
 VERSION = 6  # bump when the trace changes: keys the on-disk cache
 
@@ -178,7 +184,8 @@ def _trace_key(cfg: Config, shape: Shape | None) -> str:
             "family": m.model_family,
             "source": source if not configs else "",
             "configs": configs,
-            "model": [m.max_sequence_length, m.use_t5],
+            "model": [m.max_sequence_length, m.use_t5]
+            + ([m.train_experts] if m.train_experts else []),
             "frames": [d.num_frames, d.frame_stride],
             "network": cfg.to_dict()["network"],
             "shape": shape.__dict__ if shape else None,
@@ -423,7 +430,7 @@ def from_trace(
     allocated = sum(comps.values())
     comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
     comps["cuda_context"] = CUDA_CONTEXT
-    setup = _setup_phase(tr, storage, family, half)
+    setup = setup_phase(tr, storage, family, half)
 
     # Host RAM has two phases (kit.train.prepare): the base is loaded into host memory and then
     # moved to the GPU, in two loads (the text encoders and the VAE that fill the cache, then
@@ -431,11 +438,15 @@ def from_trace(
     # and an EMA kept on the CPU stay. The peak is the larger phase.
     # Every frozen part loads in the run's dtype, but the VAE, which encodes the cache, in fp32.
     read = {n: sum(v.values()) * (4 // half if n == "vae" else 1) for n, v in tr["frozen"].items()}
+    waiting = tr.get("host_resident", {})  # a model of the denoiser kept off the GPU
     for_cache = sum(v for n, v in read.items() if n != "denoiser")
-    for_training = read.get("denoiser", 0) + (trained if method.whole_denoiser else 0)
+    for_training = (
+        read.get("denoiser", 0) + sum(waiting.values()) + (trained if method.whole_denoiser else 0)
+    )
     loaded = max(for_cache, for_training)
     loading = {"loaded_weights": loaded}
     training = {
+        "waiting_model": sum(waiting.values()),
         "swapped_blocks": plan["host"],
         "cached_batch": 2 * tr["inputs_bytes"],  # the entries read, and the batch stacked
         "ema": ema_move,
@@ -449,6 +460,11 @@ def from_trace(
         f"the peak falls in the {phase}; persistent state is {persistent / GIB:.2f} GiB",
         "activations come from one traced training step on the meta device; attention is "
         "counted as flash / memory-efficient kernels keep it (output and log-sum-exp)",
+    ]
+    notes += [
+        f"one denoiser model at a time on the GPU: {label} waits in host RAM ({size / GIB:.2f} "
+        f"GiB{', not quantized there' if quant != 'none' else ''})"
+        for label, size in waiting.items()
     ]
     encoders = sum(comps[f"{n}_weights"] for n in tr["frozen"] if n != "denoiser")
     if split == "fsdp":
@@ -503,6 +519,7 @@ def from_trace(
         notes.append(
             f"host RAM peaks near {sum(host.values()) / GIB:.2f} GiB in training: the swapped "
             f"blocks ({plan['host'] / GIB:.2f} GiB) stay there, pinned"
+            + (" and the waiting model with them" if waiting else "")
         )
     if shape.precision == "no":
         notes.append("fp32 training: bf16 mixed precision roughly halves activations")
@@ -527,7 +544,7 @@ def from_trace(
     }
     details = {
         "activations_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-        "frozen_weights_by_dtype": _by_dtype(tr["frozen"]),
+        "frozen_weights_by_dtype": by_dtype(tr["frozen"]),
         "frozen_weights_stored": kept,
         "peak_phase": phase,
         "allocated_bytes": allocated,
@@ -541,41 +558,6 @@ def from_trace(
         "cache_bytes_per_sample": tr["inputs_bytes"] // max(1, shape.batch),
     }
     return Estimate(comps, settings, notes, details, host, split, procs)
-
-
-def _setup_phase(tr: dict[str, Any], storage: Storage, family: Family, half: int) -> dict[str, Any]:
-    """GPU memory while the cache fills, before the first step, as kit.train.prepare orders it:
-    the text encoders and the VAE are on the GPU (stored as `text_encoder_quantization` says;
-    the T5s that `base_quantization` names are quantized only once they have encoded the
-    captions; the VAE in fp32); the denoiser is loaded only after the cache is filled
-    (quantized layer by layer, its swapped blocks never leaving host RAM), which the training
-    step's estimate counts. The encoders' activations while they encode are not counted."""
-    inv = tr["storage"]["quantized"]
-    comps = {}
-    for name, by_dtype in tr["frozen"].items():
-        loaded = sum(by_dtype.values())
-        if name == "vae":
-            comps["vae_weights"] = loaded * 4 // half
-        elif name != "denoiser":
-            comps[f"{name}_weights"] = stored(storage.text, loaded, inv.get(name))
-    allocated = sum(comps.values())
-    comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
-    comps["cuda_context"] = CUDA_CONTEXT
-    late = [n for n in family.quantized_text_encoders if n in tr["frozen"]]
-    why = "the text encoders and the VAE on the GPU while the cache fills"
-    if storage.text != "none":
-        why += f" (stored {storage.text})"
-    elif storage.quantization != "none" and late:
-        why += f" ({', '.join(late)} not yet quantized)"
-    return {"components": comps, "total": sum(comps.values()), "why": why}
-
-
-def _by_dtype(frozen: dict[str, dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = defaultdict(int)
-    for by_dtype in frozen.values():
-        for dt, n in by_dtype.items():
-            out[dt] += n
-    return dict(out)
 
 
 __all__ = [

@@ -19,6 +19,7 @@ The refusals mirror the trainer's, so the estimator never prices a run that woul
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,11 @@ SWAP_SLOWDOWN = 0.5
 """Extra time per step when every block is swapped: the copies overlap the compute in part."""
 QUANT_SLOWDOWN = {"none": 1.0, "fp8": 1.08, "int8": 1.1, "nf4": 1.25}
 """Time per step relative to an unquantized base: each layer is unpacked before its matmul."""
+
+
+GIB = 2**30
+CUDA_CONTEXT = int(0.45 * GIB)  # CUDA context and kernels, outside PyTorch's allocator
+ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share of the peak
 
 
 # ---------------------------------------------------------------- inventory (inside the trace)
@@ -189,3 +195,39 @@ class Storage:
         if part == "denoiser" or part in family.quantized_text_encoders:
             return self.quantization
         return "none"
+
+
+def setup_phase(tr: dict[str, Any], storage: Storage, family: Family, half: int) -> dict[str, Any]:
+    """GPU memory while the cache fills, before the first step, as kit.train.prepare orders it:
+    the text encoders and the VAE are on the GPU (stored as `text_encoder_quantization` says;
+    the T5s that `base_quantization` names are quantized only once they have encoded the
+    captions; the VAE in fp32); the denoiser is loaded only after the cache is filled
+    (quantized layer by layer, its swapped blocks never leaving host RAM), which the training
+    step's estimate counts. The encoders' activations while they encode are not counted."""
+    inv = tr["storage"]["quantized"]
+    comps = {}
+    for name, by_dtype in tr["frozen"].items():
+        loaded = sum(by_dtype.values())
+        if name == "vae":
+            comps["vae_weights"] = loaded * 4 // half
+        elif name != "denoiser":
+            comps[f"{name}_weights"] = stored(storage.text, loaded, inv.get(name))
+    allocated = sum(comps.values())
+    comps["allocator_reserve"] = int(allocated * ALLOCATOR_RESERVE)
+    comps["cuda_context"] = CUDA_CONTEXT
+    late = [n for n in family.quantized_text_encoders if n in tr["frozen"]]
+    why = "the text encoders and the VAE on the GPU while the cache fills"
+    if storage.text != "none":
+        why += f" (stored {storage.text})"
+    elif storage.quantization != "none" and late:
+        why += f" ({', '.join(late)} not yet quantized)"
+    return {"components": comps, "total": sum(comps.values()), "why": why}
+
+
+def by_dtype(frozen: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Frozen bytes by dtype, over every part."""
+    out: dict[str, int] = defaultdict(int)
+    for part in frozen.values():
+        for dt, n in part.items():
+            out[dt] += n
+    return dict(out)

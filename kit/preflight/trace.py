@@ -330,10 +330,17 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     trained = [p for m in parts.values() for p in m.parameters() if p.requires_grad]
     for p in trained:
         p.data = p.data.float()  # trained weights stay fp32, as in kit.train.loop
+    # Models of the denoiser that wait in host RAM while another trains: not on the GPU.
+    resident = family.host_resident(parts["denoiser"])
+    waiting = {id(p) for m in resident.values() for p in m.parameters()}
+    host_resident = {
+        label: sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
+        for label, m in resident.items()
+    }
     frozen: dict[str, dict[str, int]] = {}
     for name, m in parts.items():
         for p in m.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and id(p) not in waiting:
                 by_dtype = frozen.setdefault(name, {})
                 dt = str(p.dtype).removeprefix("torch.")
                 by_dtype[dt] = by_dtype.get(dt, 0) + p.numel() * p.element_size()
@@ -404,6 +411,7 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
         "storage": {"quantized": quantizable, "blocks": block_inventory(family, denoiser)},
         "peak": peak,
         "frozen": frozen,
+        "host_resident": host_resident,
         "trained_bytes": sum(p.numel() * 4 for p in trained),
         "optimizer": optimizer_bytes(shapes),
         "learned": learned,

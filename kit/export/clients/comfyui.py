@@ -5,7 +5,7 @@
 encoders under `clip_l.transformer.`, `clip_g.transformer.`, `clip_h.transformer.`
 (HF-transformers CLIP names, also for SDXL's OpenCLIP bigG) and `t5xxl.transformer.`. `aliases`
 is what ComfyUI derives from the model config: for a UNet `comfy.utils.unet_to_diffusers`,
-diffusers UNet parameter key -> key under `diffusion_model.` (`kit.families.base.ldm_aliases`
+diffusers UNet parameter key -> key under `diffusion_model.` (`kit.families.ldm.ldm_aliases`
 builds it from the UNet config); for Flux and SD3 see the end of this docstring.
 
 The rules, as ComfyUI applies them:

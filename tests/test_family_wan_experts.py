@@ -1,0 +1,398 @@
+"""Wan 2.2 A14B's two experts on a tiny two-expert base: routing, draws, training, export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kit.config import Config
+from kit.errors import ConfigError
+from kit.families import get_family
+from kit.families.wan_experts import WanExperts
+
+
+@pytest.fixture(scope="module")
+def experts_base(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny-wan22"
+    wan = get_family("wan")
+    return wan.make_tiny(out, seed=0, variant=wan.variants[1])
+
+
+def wan22(base: Path, **fields):
+    return get_family(
+        "wan", Config().replace(pretrained_model=str(base), max_sequence_length=16, **fields)
+    )
+
+
+def recorder(module: torch.nn.Module, name: str, calls: list):
+    """Record every forward of `module` as (name, its keyword arguments)."""
+
+    def hook(_, args, kwargs):
+        calls.append((name, dict(kwargs)))
+
+    return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_training_inputs_and_expert_equal_the_pipelines(experts_base):
+    from diffusers import WanPipeline
+
+    wan = wan22(experts_base)
+    comps = wan.load(str(experts_base))
+    assert isinstance(comps.denoiser, WanExperts)
+    pipe = WanPipeline.from_pretrained(str(experts_base))
+    assert pipe.config.boundary_ratio == 0.875
+    seen_pipe: list = []
+    for name, part in (("high", pipe.transformer), ("low", pipe.transformer_2)):
+        recorder(part, name, seen_pipe)
+    seen_kit: list = []
+    for name in ("high", "low"):
+        recorder(comps.denoiser.expert(name), name, seen_kit)
+    # The same weights in both: the kit's experts are the pipeline's.
+    for name, part in (("high", pipe.transformer), ("low", pipe.transformer_2)):
+        ours = comps.denoiser.expert(name).state_dict()
+        assert all(torch.equal(v, ours[k]) for k, v in part.state_dict().items())
+
+    prompt = "a large red zorbic moving right"
+    latents = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pipe(
+            prompt=prompt,
+            height=32,
+            width=32,
+            num_frames=5,
+            num_inference_steps=6,
+            guidance_scale=1.0,  # one forward per step: the conditional one training makes
+            latents=latents,
+            max_sequence_length=16,
+            output_type="latent",
+        )
+    experts_used = [name for name, _ in seen_pipe]
+    assert "high" in experts_used and "low" in experts_used  # the steps cross the boundary
+    cond = wan.encode_text(comps, [prompt])
+    for name, theirs in seen_pipe:
+        seen_kit.clear()
+        with torch.no_grad():
+            wan.predict(comps, theirs["hidden_states"], theirs["timestep"], cond)
+        ((expert, ours),) = seen_kit
+        assert expert == name  # the expert the pipeline runs at this timestep
+        for key in ("hidden_states", "timestep", "encoder_hidden_states"):
+            assert torch.equal(ours[key], theirs[key]), key
+        assert theirs.get("encoder_hidden_states_image") is None
+
+
+def test_one_expert_draws_only_its_timesteps(experts_base):
+    latents = torch.zeros(4, 16, 2, 4, 4)
+    boundary = 0.875 * 1000
+    for setting, side in (("high", lambda t: t >= boundary), ("low", lambda t: t < boundary)):
+        wan = wan22(experts_base, train_experts=setting)
+        comps = wan.load(str(experts_base))
+        assert comps.denoiser.trained == (setting,)
+        names = {n.split(".")[0] for n, p in comps.denoiser.named_parameters()}
+        assert names == {setting}  # the other expert is held beside, never adapted
+        g = torch.Generator().manual_seed(0)
+        steps = torch.cat([wan.noise_and_target(comps, latents, g).timesteps for _ in range(50)])
+        assert bool(side(steps).all())
+    # Both: each batch on one side, and the sides as often as the distribution puts them there.
+    wan = wan22(experts_base, train_experts="both", timestep_sampling="uniform")
+    comps = wan.load(str(experts_base))
+    g = torch.Generator().manual_seed(0)
+    draws = [wan.noise_and_target(comps, latents, g).timesteps for _ in range(400)]
+    assert all(len({bool(t >= boundary) for t in d}) == 1 for d in draws)
+    high = sum(bool(d[0] >= boundary) for d in draws) / len(draws)
+    # Uniform u shifted by 3: σ >= 0.875 where u >= 0.875 / (3 - 2 · 0.875) = 0.7.
+    assert abs(high - 0.3) < 0.07
+
+
+def test_what_two_experts_do_not_do_yet_is_refused(experts_base, monkeypatch):
+    from kit.errors import KitError
+    from kit.methods import get_method
+
+    wan = wan22(experts_base, base_quantization="int8")
+    assert "two experts are not stored quantized" in get_method(wan.cfg, wan).quantization_refusal(
+        "int8"
+    )
+    with pytest.raises(KitError, match="blocks_to_swap with Wan 2.2's two experts"):
+        wan = wan22(experts_base)
+        wan.swap_blocks(wan.load(str(experts_base)).denoiser)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(KitError, match="two experts train on one process"):
+        wan22(experts_base).load(str(experts_base))
+
+
+def test_train_experts_is_refused_for_one_transformer(tiny_base):
+    base = tiny_base("wan")
+    wan = get_family("wan", Config().replace(pretrained_model=str(base), train_experts="high"))
+    with pytest.raises(ConfigError, match="train_experts: high.*one transformer"):
+        wan.identity(str(base))
+    with pytest.raises(ConfigError, match="train_experts"):
+        Config().replace(train_experts="middle")
+
+
+@pytest.fixture(scope="module")
+def experts_run(tmp_path_factory, experts_base, family_dataset):
+    """A straight run training both experts, and the fields to repeat it."""
+    from kit.config import load_config
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    tmp = tmp_path_factory.mktemp("wan22run")
+    fields = {
+        "family": "wan",
+        "base": experts_base,
+        "data": family_dataset("wan"),
+        "cache_dir": str(tmp / "cache"),
+        "num_frames": 5,
+        "max_sequence_length": 16,
+        "train_experts": "both",
+        "timestep_sampling": "uniform",
+        "max_train_steps": 6,
+        "checkpointing_steps": 3,
+        "validation_prompt": ["a large red zorbstar"],
+        "validation_seeds": [3],
+    }
+
+    def config(run: str, **overrides):
+        path = write_run_config(
+            tmp / f"{run}.json", **{**fields, "output_dir": str(tmp / run), **overrides}
+        )
+        return load_config(path)
+
+    result = train(config("straight"))
+    return tmp, config, result
+
+
+def test_both_experts_train_and_resume_bit_for_bit(experts_run):
+    from safetensors.torch import load_file
+
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import train
+
+    tmp, config, straight = experts_run
+    assert straight.step == 6 and len(straight.validation_grids) == 1
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "straight", 6) / ckpt.ADAPTER_FILE))
+    for expert in ("high", "low"):
+        trained = [w for k, w in weights.items() if k.startswith(f"{expert}.") and "lora_B" in k]
+        assert trained and any(w.abs().sum() > 0 for w in trained), expert
+    # One optimizer holding both: each expert's parameters stepped only on its own steps
+    # (AdamW skips a parameter without a gradient), so its moments are its own.
+    state = torch.load(ckpt.checkpoint_dir(tmp / "straight", 6) / ckpt.OPTIMIZER_FILE)["state"]
+    steps = [int(state[i]["step"]) if i in state else 0 for i in range(len(weights))]
+    half = len(weights) // 2  # the high expert's parameters come first, as many as the low's
+    high, low = set(steps[:half]), set(steps[half:])
+    assert len(high) == len(low) == 1 and min(*high, *low) > 0
+    assert high.pop() + low.pop() == 6  # every step trained exactly one expert
+    # 3 steps, stop, resume, 3 more: both adapters and the optimizer's state, bit for bit.
+    split = config("split")
+    train(split.replace(max_train_steps=3))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "split", 6) / ckpt.ADAPTER_FILE))
+    assert weights.keys() == resumed.keys()
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+
+def test_exports_one_file_per_expert_that_loads_into_it(experts_run, experts_base):
+    from diffusers import WanPipeline
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from kit.export.writer import export
+    from kit.run import checkpoint as ckpt
+
+    tmp, _, _ = experts_run
+    result = export(tmp / "straight", "diffusers")
+    # Redrawn by plain diffusers with both files loaded: the kit's validation clip.
+    assert result.verification.passed and result.verification.images == 1
+    files = result.files
+    assert {k: p.name for k, p in files.items()} == {
+        "high_noise": "pytorch_lora_weights_high_noise.safetensors",
+        "low_noise": "pytorch_lora_weights_low_noise.safetensors",
+    }
+    for part, path in files.items():
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata()["kit.expert"] == part
+            assert all(k.startswith("transformer.blocks.") for k in f.keys())
+
+    # diffusers' own loader: the high-noise file into `transformer`, the low-noise one into
+    # `transformer_2`; fused, each expert's weights are its trained adapter's merge.
+    pipe = WanPipeline.from_pretrained(str(experts_base))
+    experts = {"high": pipe.transformer, "low": pipe.transformer_2}
+    before = {e: {k: v.clone() for k, v in m.state_dict().items()} for e, m in experts.items()}
+    pipe.load_lora_weights(str(files["high_noise"].parent), weight_name=files["high_noise"].name)
+    pipe.load_lora_weights(
+        str(files["low_noise"].parent),
+        weight_name=files["low_noise"].name,
+        load_into_transformer_2=True,
+    )
+    pipe.fuse_lora(components=["transformer", "transformer_2"])
+    pipe.unload_lora_weights()
+    trained = load_file(str(ckpt.checkpoint_dir(tmp / "straight", 6) / ckpt.ADAPTER_FILE))
+    want = {e: dict(w) for e, w in before.items()}
+    for key, a in trained.items():
+        if ".lora_A." in key:
+            expert, _, name = key.partition(".")
+            weight = name.replace(".lora_A.weight", ".weight")
+            want[expert][weight] = want[expert][weight] + trained[key.replace("_A.", "_B.")] @ a
+    for expert, model in experts.items():
+        got = model.state_dict()
+        assert got.keys() == want[expert].keys()
+        for k, v in got.items():
+            assert torch.allclose(v, want[expert][k], atol=1e-6), (expert, k)
+        changed = [k for k in got if not torch.equal(got[k], before[expert][k])]
+        assert len(changed) == 2 * 2 * 4  # q, k, v, out of both attentions in both blocks
+
+    # ComfyUI's names, checked as every Wan export is: each expert's file on its expert.
+    kohya = export(tmp / "straight", "kohya")
+    assert kohya.verification.passed
+    clients = {c["client"]: c for c in kohya.verification.clients}
+    assert set(clients) == {"ComfyUI (high_noise)", "ComfyUI (low_noise)"}
+    assert all(c["exact"] and c["weights"] > 0 for c in clients.values())
+    for part, path in kohya.files.items():
+        assert path.name.endswith(f"_{part}.safetensors")
+        with safe_open(str(path), "pt") as f:
+            assert f.metadata()["kit.expert"] == part
+            assert any(k.startswith("lora_unet_blocks_0_self_attn_q.") for k in f.keys())
+
+
+@pytest.mark.slow
+def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_cache):
+    from kit.preflight.estimate import estimate
+
+    gib = 2**30
+    runs = {}
+    for setting in ("both", "high"):
+        cfg = Config().replace(
+            model_family="wan",
+            pretrained_model="Wan-AI/Wan2.2-T2V-A14B-Diffusers",  # the shipped configs
+            train_experts=setting,
+            resolution=480,
+            num_frames=17,
+            mixed_precision="bf16",
+            gradient_checkpointing=True,
+        )
+        runs[setting] = e = estimate(cfg)
+        # One 14.3B expert in bf16 on the GPU; the other waits in host RAM, named in a note.
+        assert 26 < e.components["denoiser_weights"] / gib < 27.5, setting
+        waiting = [n for n in e.notes if "waits in host RAM" in n]
+        assert len(waiting) == 1 and "26.61 GiB" in waiting[0]
+        # Loading reads both experts (and the T5) into host RAM before one goes to the GPU.
+        assert e.host_bytes / gib > 2 * 26.6
+    assert "change places" in next(n for n in runs["both"].notes if "waits" in n)
+    assert "untrained low-noise expert" in next(n for n in runs["high"].notes if "waits" in n)
+    # Both adapters train (their weights and optimizer state count), one expert's activations.
+    both, high = (runs[k].components for k in ("both", "high"))
+    assert both["trainable_weights"] == 2 * high["trainable_weights"]
+    assert both["activations"] == high["activations"]
+
+
+def test_ti2v_5b_estimates_as_one_transformer(module_trace_cache):
+    from kit.preflight.estimate import estimate
+
+    cfg = Config().replace(
+        model_family="wan",
+        pretrained_model="Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        resolution=480,
+        num_frames=17,
+        mixed_precision="bf16",
+        gradient_checkpointing=True,
+    )
+    e = estimate(cfg)
+    assert 9 < e.components["denoiser_weights"] / 2**30 < 9.7  # 5.0B parameters in bf16
+    assert not [n for n in e.notes if "waits in host RAM" in n]
+    with pytest.raises(ConfigError, match="train_experts: both.*one transformer"):
+        estimate(cfg.replace(train_experts="both"))
+
+
+def test_one_expert_at_a_time_on_the_accelerator(experts_base):
+    """Which tensors `place` sends where (recorded: this machine has no accelerator)."""
+    from peft import LoraConfig
+
+    wan = wan22(experts_base)
+    experts = wan.load(str(experts_base)).denoiser
+    experts.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))
+    where: dict[int, str] = {}  # by storage: the fake move leaves every tensor in place
+
+    def move(t, device):
+        where[t.data_ptr()] = device.type
+        return t
+
+    experts.move = move
+    gpu = torch.device("cuda")
+
+    def at(name, trained):
+        module = experts.expert(name)
+        tensors = [p for p in module.parameters() if p.requires_grad == trained]
+        tensors += [] if trained else list(module.buffers())
+        return {where.get(t.data_ptr(), "cpu") for t in tensors}
+
+    assert experts.active == "high"
+    experts.place("low", gpu)
+    assert at("low", False) == at("low", True) == {"cuda"} and at("high", False) == {"cpu"}
+    experts.place("high", gpu)
+    assert at("high", False) == at("high", True) == {"cuda"}
+    # The waiting expert's frozen weights leave; its adapter, once on the device, stays.
+    assert at("low", False) == {"cpu"} and at("low", True) == {"cuda"}
+    # WanPipeline calls the experts themselves: each places itself before its forward.
+    experts.expert("low")(
+        hidden_states=torch.zeros(1, 16, 1, 2, 2),
+        timestep=torch.tensor([100.0]),
+        encoder_hidden_states=torch.zeros(1, 4, 32),
+    )
+    assert experts.active == "low"
+    # `.to(dtype)` while the base is placed: the waiting expert takes the dtype too.
+    experts = wan.load(str(experts_base)).denoiser
+    experts.to(dtype=torch.bfloat16)
+    for name in ("high", "low"):
+        assert {p.dtype for p in experts.expert(name).parameters()} == {torch.bfloat16}
+
+
+def test_ti2v_timesteps_per_token_equal_the_pipelines(tmp_path):
+    from diffusers import WanPipeline
+
+    wan = get_family("wan")
+    base = wan.make_tiny(tmp_path / "ti2v", seed=0, variant=wan.variants[2])
+    assert wan.variant_of(str(base)) == wan.variants[2]
+    wan = wan22(base)
+    comps = wan.load(str(base))
+    assert comps.vae.config.z_dim == 48 and not isinstance(comps.denoiser, WanExperts)
+    assert wan.pipeline(comps).config.expand_timesteps  # validation draws as the pipeline does
+    pipe = WanPipeline.from_pretrained(str(base))
+    seen_pipe, seen_kit = [], []
+    recorder(pipe.transformer, "t", seen_pipe)
+    recorder(comps.denoiser, "t", seen_kit)
+    prompt = "a large red zorbic"
+    latents = torch.randn(1, 48, 2, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        pipe(prompt=prompt, height=64, width=96, num_frames=5, num_inference_steps=2,
+             guidance_scale=1.0, latents=latents, max_sequence_length=16, output_type="latent")  # fmt: skip
+    cond = wan.encode_text(comps, [prompt])
+    assert len(seen_pipe) == 2
+    for _, theirs in seen_pipe:
+        assert theirs["timestep"].shape == (1, 2 * 2 * 3)  # frames × (h/2) × (w/2) tokens
+        seen_kit.clear()
+        with torch.no_grad():  # the kit's timesteps are one per sample, as drawn
+            wan.predict(comps, theirs["hidden_states"], theirs["timestep"][:, 0], cond)
+        ((_, ours),) = seen_kit
+        for key in ("hidden_states", "timestep", "encoder_hidden_states"):
+            assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_model_card_loads_each_expert_file_into_its_transformer(experts_base):
+    from kit.export.card import diffusers_usage
+    from kit.methods import get_method
+
+    wan = wan22(experts_base)
+    files = {
+        "diffusers": [
+            "pytorch_lora_weights_high_noise.safetensors",
+            "pytorch_lora_weights_low_noise.safetensors",
+        ]
+    }
+    code = diffusers_usage(wan, get_method(wan.cfg, wan), files, "me/lora", "base", "a zorbic")
+    lines = [x for x in code.splitlines() if "load_lora_weights" in x]
+    assert lines == [
+        'pipe.load_lora_weights("me/lora", weight_name="pytorch_lora_weights_high_noise.safetensors")',
+        'pipe.load_lora_weights("me/lora", weight_name="pytorch_lora_weights_low_noise.safetensors", '
+        "load_into_transformer_2=True)",
+    ]
