@@ -544,7 +544,7 @@ def from_trace(
     }
     details = {
         "activations_by_group": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
-        "frozen_weights_by_dtype": by_dtype(tr["frozen"]),
+        "frozen_weights_by_dtype": frozen_by_dtype(tr["frozen"]),
         "frozen_weights_stored": kept,
         "peak_phase": phase,
         "allocated_bytes": allocated,

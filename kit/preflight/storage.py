@@ -224,7 +224,7 @@ def setup_phase(tr: dict[str, Any], storage: Storage, family: Family, half: int)
     return {"components": comps, "total": sum(comps.values()), "why": why}
 
 
-def by_dtype(frozen: dict[str, dict[str, int]]) -> dict[str, int]:
+def frozen_by_dtype(frozen: dict[str, dict[str, int]]) -> dict[str, int]:
     """Frozen bytes by dtype, over every part."""
     out: dict[str, int] = defaultdict(int)
     for part in frozen.values():
