@@ -32,6 +32,7 @@ from kit.preflight.storage import (
     Storage,
     check_quant,
     check_swap,
+    frozen_by_dtype,
     setup_phase,
     stored,
     swap_plan,
