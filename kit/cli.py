@@ -176,6 +176,20 @@ def _print_learning(report: dict, path: Path) -> None:
         f"{s['unrelated_accuracy_before']:.0%} before, {s['unrelated_accuracy_after']:.0%} after "
         f"({change})"
     )
+    d = report.get("drift")
+    if d:
+        print(
+            f"drift of unrelated prompts ({d['n']} prompts, each against the base's image for "
+            f"the same seed): median color distance {d['color_drift']} RGB units, shape agreement "
+            f"{d['shape_agreement']:.0%}, position agreement {d['position_agreement']:.0%}; "
+            f"color off the named one {d['color_error_before']} before, "
+            f"{d['color_error_after']} after"
+        )
+        if d.get("concept_color_distance") is not None:
+            print(
+                f"learned color: {d['concept_color_distance']} RGB units from the data's "
+                f"(concept on trigger prompts {d['concept_rate_after']:.0%})"
+            )
     for name, why in report.get("skipped", {}).items():
         print(f"{name}: not drawn ({why})")
 
