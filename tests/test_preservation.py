@@ -188,3 +188,27 @@ def test_preservation_two_processes_match_one(tmp_path, two_processes_and_one):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)
+
+
+def test_estimate_counts_the_preservation_passes(tiny_sd15, monkeypatch, tmp_path):
+    """The trained pass holds the batch and its preservation rows: about twice the activations,
+    and the base's pass without gradients is traced before it."""
+    from kit.config import Config, PreservationConfig
+    from kit.preflight import estimate as estimating
+    from kit.preflight.estimate import estimate
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("KIT_VRAM_CACHE", str(tmp_path / "vram"))
+    estimating.forget_traces()
+    cfg = Config()
+    cfg.model.model_family, cfg.model.pretrained_model = "sd15", str(tiny_sd15)
+    cfg.data.resolution = 256
+    plain = estimate(cfg).components["activations"]
+    calls = []
+    traced = estimating.trace
+    monkeypatch.setattr(estimating, "trace", lambda *a: calls.append(1) or traced(*a))
+    cfg.objective.preservation = PreservationConfig(class_words={"zorbic": "pink"})
+    kept = estimate(cfg).components["activations"]
+    assert calls, "a run with preservation has its own trace"
+    assert 1.7 < kept / plain < 2.3, (kept, plain)
+    estimating.forget_traces()

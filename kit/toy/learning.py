@@ -164,12 +164,26 @@ def learning_report(
     return report
 
 
+def run_drift(run_dir: str | Path, n: int = DRIFT_SEEDS, checkpoint: str | Path | None = None):
+    """The drift measures of a run's checkpoint alone (the latest by default), without the
+    prompt groups: what `scripts/preservation_table.py` compares settings by."""
+    run, cfg, family, comps, _ = load_trained(run_dir, checkpoint)
+    trigger = (cfg.data.trigger_words or [toyworld.TRIGGER_WORD])[0]
+    captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
+    _, concept = concept_of(captions, trigger)
+    v = cfg.validation
+    side = v.validation_resolution or cfg.data.resolution
+    pipe = family.pipeline(comps)
+    return drift(family, pipe, trigger, concept, side, v.validation_num_inference_steps, n)
+
+
 def drift(
     family: Any, pipe: Any, trigger: str, concept: str, side: int, steps: int, n: int = DRIFT_SEEDS
 ) -> dict[str, Any]:
     """The drift measures (`kit.toy.drift`) on the independent check's prompts and seeds:
     prompt i drawn with seed i by a plain pipeline call, the adapter at scale 0 and 1."""
     scenes = drift_scenes(concept, n)
+    pipe.set_progress_bar_config(disable=True)
     verdicts: dict[str, list[dict[str, Any]]] = {}
     for label, scale in (("before", 0.0), ("after", 1.0)):
         for name, group in scenes.items():
