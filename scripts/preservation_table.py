@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="a further override for every setting, e.g. --set max_train_steps 240",
     )
+    parser.add_argument("--label", default="", help="added to each setting's name in the table")
     args = parser.parse_args(argv)
     import torch
 
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     rows = []
     for name in args.only:
-        rows.append(run_setting(name, out / name, args.seeds, extra))
+        label = f"{name} {args.label}" if args.label else name
+        rows.append({**run_setting(name, out / label.replace(" ", "_"), args.seeds, extra)})
+        rows[-1]["setting"] = label
         print(json.dumps(rows[-1]), flush=True)
     (out / "table.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(table(rows))

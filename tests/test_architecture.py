@@ -25,6 +25,7 @@ GROUND = (
     "kit.logs",
     "kit.config",
     "kit.config.sections",
+    "kit.config.preservation",
     "kit.optim",
     "kit.precision",
 )

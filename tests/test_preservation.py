@@ -212,3 +212,60 @@ def test_estimate_counts_the_preservation_passes(tiny_sd15, monkeypatch, tmp_pat
     assert calls, "a run with preservation has its own trace"
     assert 1.7 < kept / plain < 2.3, (kept, plain)
     estimating.forget_traces()
+
+
+SLIDE = {
+    "target": "a red circle",
+    "positive": "a large red circle",
+    "negative": "a small red circle",
+    "scales": [-2, -1, 0, 1, 2],
+}
+
+
+def test_adapter_scaled_acts_at_the_scale_and_puts_the_scaling_back(make_config):
+    s = _prepared(make_config, slider=SLIDE)
+    assert set(s.data.prompt_files) == {SLIDE["target"], SLIDE["positive"], SLIDE["negative"]}
+    with torch.no_grad():
+        for n, p in s.comps.denoiser.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    batch = s.data.load_batch([0, 1])
+    noisy, t = torch.randn_like(batch["latents"]), torch.tensor([300, 700])
+    cond = {"prompt_embeds": batch["prompt_embeds"]}
+    layers = [m for m in s.comps.denoiser.modules() if hasattr(m, "scaling") and m.scaling]
+    before = [dict(m.scaling) for m in layers]
+    with torch.no_grad():
+        one = s.family.predict(s.comps, noisy, t, cond)
+        with s.method.adapter_off(s.comps):
+            base = s.family.predict(s.comps, noisy, t, cond)
+        with s.method.adapter_scaled(s.comps, 0.0):
+            zero = s.family.predict(s.comps, noisy, t, cond)
+        with s.method.adapter_scaled(s.comps, -1.0):
+            minus = s.family.predict(s.comps, noisy, t, cond)
+    assert torch.allclose(zero, base, atol=1e-6) and not torch.allclose(one, base)
+    assert not torch.allclose(minus, one)
+    assert [dict(m.scaling) for m in layers] == before
+    with pytest.raises(ConfigError, match="slider with preservation"):
+        train_cfg = load_config(make_config("both.json", slider=SLIDE, preservation=KEEP))
+        from kit.train.loop import train
+
+        train(train_cfg)
+
+
+def test_slider_run_resumes_bit_for_bit(tmp_path, make_config):
+    from kit.train.loop import train
+
+    common = {"max_train_steps": 4, "checkpointing_steps": 2, "slider": SLIDE}
+    a, b = tmp_path / "a", tmp_path / "b"
+    train(load_config(make_config("a.json", output_dir=str(a), **common)))
+    cfg_b = load_config(make_config("b.json", output_dir=str(b), **common))
+
+    def stop_at_2(event):
+        if event["kind"] == "checkpoint" and event["step"] == 2:
+            raise KeyboardInterrupt
+
+    assert train(cfg_b, callbacks=[stop_at_2]).interrupted
+    assert train(cfg_b, resume="latest").step == 4
+    wa, wb = _adapter(a, 4), _adapter(b, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)

@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from kit.config.preservation import PreservationConfig
+from kit.config.preservation import PreservationConfig, SliderConfig
 from kit.config.sections import (
     DataConfig,
     DatasetConfig,
@@ -40,6 +40,7 @@ __all__ = [
     "NetworkConfig",
     "ObjectiveConfig",
     "PreservationConfig",
+    "SliderConfig",
     "TrainConfig",
     "ValidationConfig",
     "ValidationPrompt",

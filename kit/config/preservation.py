@@ -1,4 +1,5 @@
-"""Output preservation: what a run keeps as the base model drew it, beside what it teaches."""
+"""Output preservation and sliders: what a run keeps as the base model drew it, and an adapter
+that moves one attribute with its scale."""
 
 from __future__ import annotations
 
@@ -51,6 +52,34 @@ class PreservationConfig:
         return caption
 
 
+@dataclass
+class SliderConfig:
+    target: str = ""
+    """The prompt the slider acts on, e.g. `a red circle on a white background`."""
+    positive: str = ""
+    """The prompt of the attribute's high end (what scale +1 moves toward), e.g. `a large ...`."""
+    negative: str = ""
+    """The prompt of its low end (what scale -1 moves toward), e.g. `a small ...`."""
+    strength: float = 1.0
+    """How far scale ±1 moves: the adapter's prediction for `target` at scale s is trained
+    toward the base's for `target` plus s × strength × (positive − negative)."""
+    scales: list[float] = field(default_factory=lambda: [-2.0, -1.0, 0.0, 1.0, 2.0])
+    """Adapter scales of the slider's validation grid."""
+
+    def __post_init__(self) -> None:
+        for name in ("target", "positive", "negative"):
+            if not getattr(self, name).strip():
+                raise ConfigError(f"{name}: a slider needs its {name} prompt")
+        if self.positive == self.negative:
+            raise ConfigError("positive and negative: a slider needs two different prompts")
+        if not self.strength > 0 or not self.scales:
+            raise ConfigError("strength must be positive and scales not empty")
+
+    def prompts(self) -> list[str]:
+        """The three prompts, cached like captions: target, positive, negative."""
+        return [self.target, self.positive, self.negative]
+
+
 def base_targets(cfg: Any) -> bool:
     """Whether a dataset trains toward the base model's prediction (`target: base_prediction`)."""
     return any(d.target == "base_prediction" for d in cfg.data.datasets)
@@ -60,8 +89,10 @@ def denoiser_rows(cfg: Any) -> tuple[int, int]:
     """Rows the denoiser sees per step, in batches: (with gradients, without). Preservation adds
     the preservation prompts to the trained pass and a pass of the base on them (2, 1); samples
     trained toward the base's prediction add a pass of the base on their own captions (+1)."""
+    if cfg.objective.slider is not None:
+        return 1, 3  # the target at a scale; the base on target, positive and negative
     kept = 1 if cfg.objective.preservation is not None else 0
     return 1 + kept, kept + int(base_targets(cfg))
 
 
-__all__ = ["PreservationConfig", "base_targets", "denoiser_rows"]
+__all__ = ["PreservationConfig", "SliderConfig", "base_targets", "denoiser_rows"]

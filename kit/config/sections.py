@@ -10,7 +10,7 @@ from typing import Literal
 
 from PIL import ImageColor
 
-from kit.config.preservation import PreservationConfig
+from kit.config.preservation import PreservationConfig, SliderConfig
 from kit.errors import ConfigError
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
@@ -443,6 +443,8 @@ class ObjectiveConfig:
     """Hold the EMA copy in CPU memory instead of on the GPU."""
     preservation: PreservationConfig | None = None
     """Keep the base model's output on class-word or empty prompts (`PreservationConfig`)."""
+    slider: SliderConfig | None = None
+    """Train the adapter as a slider from a prompt pair (`SliderConfig`), not from the images."""
 
     def __post_init__(self) -> None:
         if self.logit_std <= 0:

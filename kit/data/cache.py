@@ -89,6 +89,8 @@ class CachedDataset:
     """The embedding file of each preservation prompt, as `variant_files`."""
     base_targets: list[bool] = field(default_factory=list)
     """Per sample, whether it trains toward the base model's prediction; empty when none does."""
+    prompt_files: dict[str, Path] = field(default_factory=dict)
+    """Fixed prompts (a slider's) → their embedding file."""
     store: EntryStore = field(default_factory=FileStore)
     """Where the entries are kept (`cache_format`): the entry paths above address it."""
 
@@ -104,7 +106,7 @@ class CachedDataset:
     def text_entries(self) -> list[Path]:
         """Every distinct text-embedding file the dataset uses."""
         files = {f for fs in self.variant_files for f in fs} | set(self.text_files)
-        files |= {f for fs in self.preserve_files for f in fs}
+        files |= {f for fs in self.preserve_files for f in fs} | set(self.prompt_files.values())
         if self.empty_text_file is not None:
             files.add(self.empty_text_file)
         return sorted(files)
@@ -147,6 +149,10 @@ class CachedDataset:
             if self.base_targets:
                 out["base_target"].append(torch.tensor(self.base_targets[i]))
         return {k: torch.stack(v) for k, v in out.items()}
+
+    def prompt_text(self, prompt: str) -> dict[str, torch.Tensor]:
+        """A fixed prompt's cached embedding (one of `prompt_files`)."""
+        return self.store.get(self.prompt_files[prompt])
 
     def draw_variants(self, n: int, generator: torch.Generator) -> list[int] | None:
         """One caption variant per sample, from the batch's generator; None (no draw) for one."""
@@ -237,7 +243,7 @@ def plan_cache(
         for s in samples[: plan.size]
     ] * twins
     weights = [seen[s.dataset].loss_weight for s in samples] if weighted(cfg.data) else []
-    keep = cfg.objective.preservation
+    keep, slider = cfg.objective.preservation, cfg.objective.slider
     kept = [[keep.prompt_for(t) for t in ts] for ts in texts] if keep is not None else []
     toward_base = [seen[s.dataset].target == "base_prediction" for s in samples]
 
@@ -258,6 +264,7 @@ def plan_cache(
         preserve_texts=kept,
         preserve_files=[[text_file(t) for t in ts] for ts in kept],
         base_targets=toward_base if any(toward_base) else [],
+        prompt_files={p: text_file(p) for p in slider.prompts()} if slider is not None else {},
         names=[v.name for v in seen] if cfg.data.datasets else [],
         roles=[v.role for v in seen] if cfg.data.datasets else [],
         skipped=list(masked.refused) if masked is not None else [],
@@ -367,6 +374,7 @@ def _encode_missing(
         wanted.update(zip(fs, ts, strict=True))
     for ts, fs in zip(data.preserve_texts, data.preserve_files, strict=True):
         wanted.update(zip(fs, ts, strict=True))
+    wanted.update({f: t for t, f in data.prompt_files.items()})
     if data.empty_text_file is not None:
         wanted[data.empty_text_file] = ""
     missing = [(f, t) for f, t in sorted(wanted.items()) if not data.store.has(f)]

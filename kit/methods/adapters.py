@@ -263,6 +263,24 @@ class Adapter(Method):
             for p, grad in flags:
                 p.requires_grad_(grad)
 
+    @contextmanager
+    def adapter_scaled(self, comps: Components, scale: float) -> Iterator[None]:
+        """Every adapter layer's update multiplied by `scale` (peft's `scale_layer`, as
+        diffusers' `cross_attention_kwargs={"scale": ...}`); each layer's own scaling is put
+        back exactly afterwards."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        roots = [unwrap(comps.denoiser), *self._text_parts(comps.text_encoders).values()]
+        layers = [m for r in roots for m in r.modules() if isinstance(m, BaseTunerLayer)]
+        saved = [dict(m.scaling) for m in layers]
+        for m in layers:
+            m.scale_layer(scale)
+        try:
+            yield
+        finally:
+            for m, scaling in zip(layers, saved, strict=True):
+                m.scaling.update(scaling)
+
     # ------------------------------------------------------------ export
 
     def export_formats(self) -> tuple[str, ...]:

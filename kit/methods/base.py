@@ -133,6 +133,10 @@ class Method:
         """Within the block the model predicts as the base alone (only where `switchable`)."""
         raise NotImplementedError(f"{self.name} has no adapter to switch off")
 
+    def adapter_scaled(self, comps: Components, scale: float) -> AbstractContextManager[None]:
+        """Within the block the adapter acts at `scale` (only where `switchable`)."""
+        raise NotImplementedError(f"{self.name} has no adapter to scale")
+
     # ------------------------------------------------------------ memory model
 
     def mark_trainable(self, parts: dict[str, nn.Module]) -> NetworkSummary:

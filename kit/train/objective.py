@@ -44,7 +44,7 @@ def denoising_loss(
     if reg is None:
         pred, target = family.predict(comps, draw.noisy, draw.timesteps, batch), draw.target
     else:
-        pred, target, extra = reg(family, comps, draw, batch, extras)
+        pred, target, extra = reg(family, comps, draw, batch, extras, generator)
     elements = elementwise_loss(pred, target, o.loss_type, o.huber_c)
     if mask is None:
         per_sample = elements.flatten(1).mean(1)

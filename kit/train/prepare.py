@@ -34,6 +34,7 @@ from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.preserve import Preserver, check_preservation
 from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
+from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
 from kit.train.step import check_compile, compile_denoiser
 
@@ -211,7 +212,9 @@ def prepare(
         resume_from=resume_from,
         generator=generator,
     )
-    if o.preservation is not None or data.base_targets:
+    if o.slider is not None:
+        s.regular = Slider(cfg, method, data)
+    elif o.preservation is not None or data.base_targets:
         s.regular = Preserver(
             cfg, method, lambda p, q: elementwise_loss(p, q, o.loss_type, o.huber_c)
         )

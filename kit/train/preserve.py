@@ -38,6 +38,13 @@ def check_preservation(cfg: Config, method: Any) -> None:
         asked.append(f"preservation (kind {cfg.objective.preservation.kind})")
     if base_targets(cfg):
         asked.append("a dataset's target: base_prediction")
+    if cfg.objective.slider is not None:
+        if asked:
+            raise ConfigError(
+                f"slider with {' and '.join(asked)}: a slider trains on its prompt pair alone; "
+                "train it in a run of its own"
+            )
+        asked.append("slider")
     if not asked:
         return
     what = " and ".join(asked)
@@ -67,7 +74,7 @@ def _joined(sets: list[dict[str, Any]], n: int) -> dict[str, Any]:
     return out
 
 
-def _predict(
+def predict_sets(
     family: Family, comps: Components, noisy: torch.Tensor, timesteps: Any, sets: list[dict]
 ) -> list[torch.Tensor]:
     """One denoiser pass over the same noisy latents and timesteps under each set of
@@ -97,6 +104,7 @@ class Preserver:
         draw: Any,
         batch: dict[str, torch.Tensor],
         extras: dict[str, torch.Tensor],
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(prediction, target, per-sample preservation loss or None) of the batch."""
         kept = {k.removeprefix("preserve."): v for k, v in extras.items() if k != "base_target"}
@@ -108,7 +116,7 @@ class Preserver:
         if kept or own:
             sets = ([with_kept] if kept else []) + ([batch] if own else [])
             with torch.no_grad(), self.method.adapter_off(comps):
-                base = _predict(family, comps, noisy, t, sets)
+                base = predict_sets(family, comps, noisy, t, sets)
         target = draw.target
         if own:
             mine = base[-1].to(target.dtype)
@@ -116,6 +124,6 @@ class Preserver:
             target = torch.where(pick, mine, target)
         if not kept:
             return family.predict(comps, noisy, t, batch), target, None
-        pred, pred_kept = _predict(family, comps, noisy, t, [batch, with_kept])
+        pred, pred_kept = predict_sets(family, comps, noisy, t, [batch, with_kept])
         extra = self.elementwise(pred_kept, base[0]).flatten(1).mean(1) * self.keep.weight
         return pred, target, extra
