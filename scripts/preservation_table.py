@@ -2,7 +2,7 @@
 targets), same seeds and steps, each scored by the learning report's drift measures.
 
     python scripts/preservation_table.py runs/preservation            # every setting
-    python scripts/preservation_table.py runs/preservation --only none output
+    python scripts/preservation_table.py runs/preservation --only none output "output w4"
 
 Each setting trains `datasets_example/config.json` (its own seed, steps and data) with one change,
 then draws the drift prompts (`kit.toy.drift`, the same 32 prompts and seeds as
@@ -24,15 +24,21 @@ ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "datasets_example" / "config.json"
 PINK = {"zorbic": "pink"}
 
+
+def _output(weight: float, **more: object) -> dict:
+    return {"preservation": {"kind": "output", "class_words": PINK, "weight": weight}, **more}
+
+
 SETTINGS: dict[str, dict] = {
     "none": {},
-    "output": {"preservation": {"kind": "output", "class_words": PINK, "weight": 1.0}},
+    "output": _output(1.0),
     "blank": {"preservation": {"kind": "blank", "weight": 1.0}},
     "prior_prediction": {"_split": True},
-    "output+prior_prediction": {
-        "_split": True,
-        "preservation": {"kind": "output", "class_words": PINK, "weight": 1.0},
-    },
+    "output+prior_prediction": _output(1.0, _split=True),
+    "output w4": _output(4.0),
+    "none lr2e-3": {"learning_rate": 0.002},
+    "output w2 lr2e-3": _output(2.0, learning_rate=0.002),
+    "output w4 lr2e-3": _output(4.0, learning_rate=0.002),
 }
 """Setting name → the demo config's overrides (`_split`: prior images as a base-prediction set)."""
 
@@ -77,6 +83,7 @@ COLUMNS = (
     ("color_drift", "color drift"),
     ("shape_agreement", "shape agreement"),
     ("position_agreement", "position agreement"),
+    ("unrelated_color_after", "color after"),
     ("unrelated_shape_before", "shape before"),
     ("unrelated_shape_after", "shape after"),
     ("color_error_after", "color off its name"),

@@ -269,3 +269,8 @@ def test_slider_run_resumes_bit_for_bit(tmp_path, make_config):
     wa, wb = _adapter(a, 4), _adapter(b, 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
+    # The validation grid: the slider's target prompt, a row per scale.
+    sidecars = sorted((a / "validation/step-000004").glob("*.json"))
+    drawn = [json.loads(f.read_text()) for f in sidecars]
+    assert [d["adapter_scale"] for d in drawn] == SLIDE["scales"]
+    assert {d["prompt"] for d in drawn} == {SLIDE["target"]}

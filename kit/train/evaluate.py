@@ -34,12 +34,20 @@ def validate(s: TrainState, step: int) -> Path:
             text_encoders=[bare(e) for e in comps.text_encoders],
         )
     )
+    specs = image_specs(cfg, s.family, s.prompts)
+    slider, cols = cfg.objective.slider, len(cfg.validation.validation_seeds)
+    if slider is not None:  # a slider's grid: its target prompt, a row per scale
+        specs = [
+            replace(x, prompt=slider.target, adapter_scale=k)
+            for k in slider.scales
+            for x in specs[:cols]
+        ]
     s.denoiser.eval()
     with swap, s.accelerator.autocast():
         grid = run_validation(
             s.family,
             pipe,
-            image_specs(cfg, s.family, s.prompts),
+            specs,
             s.run.validation_step(step),
             cols=len(cfg.validation.validation_seeds),
             meta={"base_model": cfg.model.pretrained_model, "step": step},
