@@ -204,7 +204,11 @@ def cmd_learning(args: argparse.Namespace) -> int:
         report = json.loads(path.read_text())
     else:
         report = learning_report(
-            args.run_dir, seeds=args.seeds, checkpoint=args.checkpoint, per_group=args.prompts
+            args.run_dir,
+            seeds=args.seeds,
+            checkpoint=args.checkpoint,
+            per_group=args.prompts,
+            drift_seeds=args.drift_prompts,
         )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -447,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir")
     sp.add_argument("--seeds", type=int, default=32, help="images per group and adapter scale")
     sp.add_argument("--prompts", type=int, default=8, help="prompts per group")
+    sp.add_argument(
+        "--drift-prompts", type=int, default=32, help="prompts per group of the drift measures"
+    )
     sp.add_argument("--checkpoint", help="a checkpoint folder (default: the latest)")
     sp.add_argument("--show", action="store_true", help="print the saved report, draw nothing")
     sp.add_argument("--json", action="store_true")

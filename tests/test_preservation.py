@@ -134,6 +134,7 @@ def test_base_prediction_target_trains_toward_the_base(make_config, tmp_path, da
     assert s.regular is not None and all(s.data.base_targets[i] for i in prior)
     assert not any(s.data.base_targets[i] for i in mine)
 
+    @torch.no_grad()
     def loss(indices, reg):
         batch = s.data.load_batch(indices)
         return float(
