@@ -61,11 +61,14 @@ def _prepared(make_config, **fields):
     return prepare(load_config(make_config(**fields)))
 
 
-def test_adapter_off_predicts_as_the_base_and_puts_everything_back(make_config):
-    s = _prepared(make_config, preservation=KEEP)
-    lora = [(n, p) for n, p in s.comps.denoiser.named_parameters() if "lora_B" in n]
+@pytest.mark.parametrize("network_type", ["lora", "loha", "lokr", "dora"])
+def test_adapter_off_predicts_as_the_base_and_puts_everything_back(make_config, network_type):
+    s = _prepared(make_config, preservation=KEEP, network_type=network_type)
+    trained = [p for p in s.comps.denoiser.parameters() if p.requires_grad]
+    frozen = [p for p in s.comps.denoiser.parameters() if not p.requires_grad]
+    assert trained and frozen
     with torch.no_grad():
-        for _, p in lora:
+        for p in trained:
             p.normal_()  # a trained-looking adapter: its output now differs from the base's
     batch = s.data.load_batch([0, 1])
     assert batch["preserve.prompt_embeds"].shape == batch["prompt_embeds"].shape
@@ -77,12 +80,13 @@ def test_adapter_off_predicts_as_the_base_and_puts_everything_back(make_config):
         with s.method.adapter_off(s.comps):
             off = s.family.predict(s.comps, noisy, t, cond)
         again = s.family.predict(s.comps, noisy, t, cond)
+    base = _prepared(make_config, network_type=network_type)  # the same base, its adapter at init
+    with torch.no_grad():
+        fresh = base.family.predict(base.comps, noisy, t, cond)
     assert not torch.allclose(on, off)
+    assert torch.allclose(off, fresh, atol=1e-6)
     assert torch.equal(on, again)
-    assert all(p.requires_grad for _, p in lora)
-    assert not any(
-        p.requires_grad for n, p in s.comps.denoiser.named_parameters() if "lora" not in n
-    )
+    assert all(p.requires_grad for p in trained) and not any(p.requires_grad for p in frozen)
     # The preservation prompts are the captions with the class word: cached as text entries.
     i = 0
     assert s.data.preserve_texts[i][0] == s.data.variant_texts[i][0].replace("zorbic", "pink")
