@@ -279,3 +279,31 @@ def test_slider_run_resumes_bit_for_bit(tmp_path, make_config):
     drawn = [json.loads(f.read_text()) for f in sidecars]
     assert [d["adapter_scale"] for d in drawn] == SLIDE["scales"]
     assert {d["prompt"] for d in drawn} == {SLIDE["target"]}
+
+
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "flux", "wan"])
+def test_every_family_trains_with_preservation(tmp_path, tiny_base, family_dataset, name):
+    """Family-agnostic: the batch and its preservation rows go through each family's own
+    `predict` in one pass; while the adapter is still the base (init), the loss is the plain one,
+    and two steps train."""
+    from kit.train.objective import denoising_loss
+    from kit.train.prepare import prepare
+    from tests.conftest import write_run_config
+
+    keep = {"kind": "output", "class_words": {"zorbic": "pink"}}
+    fields = {"num_frames": 5, "max_train_steps": 2, "checkpointing_steps": 0}
+    path = write_run_config(
+        tmp_path / "c.json", base=tiny_base(name), data=family_dataset(name), family=name,
+        preservation=keep, **fields,
+    )  # fmt: skip
+    s = prepare(load_config(path))
+    batch = s.data.load_batch([0, 1])
+    with torch.no_grad():
+        plain, kept = (
+            float(denoising_loss(s.family, s.comps, dict(batch), torch.Generator().manual_seed(0), "cpu", reg))
+            for reg in (None, s.regular)
+        )  # fmt: skip
+    assert kept == pytest.approx(plain, rel=1e-4, abs=1e-6)
+    from kit.train.loop import fit
+
+    assert fit(s).step == 2
