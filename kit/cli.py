@@ -211,6 +211,20 @@ def _print_learning(report: dict, path: Path) -> None:
         f"{s['unrelated_accuracy_before']:.0%} before, {s['unrelated_accuracy_after']:.0%} after "
         f"({change})"
     )
+    d = report.get("drift")
+    if d:
+        print(
+            f"drift of unrelated prompts ({d['n']} prompts, each against the base's image for "
+            f"the same seed): median color distance {d['color_drift']} RGB units, shape agreement "
+            f"{d['shape_agreement']:.0%}, position agreement {d['position_agreement']:.0%}; "
+            f"color off the named one {d['color_error_before']} before, "
+            f"{d['color_error_after']} after"
+        )
+        if d.get("concept_color_distance") is not None:
+            print(
+                f"learned color: {d['concept_color_distance']} RGB units from the data's "
+                f"(concept on trigger prompts {d['concept_rate_after']:.0%})"
+            )
     for name, why in report.get("skipped", {}).items():
         print(f"{name}: not drawn ({why})")
 
@@ -225,7 +239,11 @@ def cmd_learning(args: argparse.Namespace) -> int:
         report = json.loads(path.read_text())
     else:
         report = learning_report(
-            args.run_dir, seeds=args.seeds, checkpoint=args.checkpoint, per_group=args.prompts
+            args.run_dir,
+            seeds=args.seeds,
+            checkpoint=args.checkpoint,
+            per_group=args.prompts,
+            drift_seeds=args.drift_prompts,
         )
     if args.json:
         print(json.dumps(report, indent=2))
@@ -474,6 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run_dir")
     sp.add_argument("--seeds", type=int, default=32, help="images per group and adapter scale")
     sp.add_argument("--prompts", type=int, default=8, help="prompts per group")
+    sp.add_argument(
+        "--drift-prompts", type=int, default=32, help="prompts per group of the drift measures"
+    )
     sp.add_argument("--checkpoint", help="a checkpoint folder (default: the latest)")
     sp.add_argument("--show", action="store_true", help="print the saved report, draw nothing")
     sp.add_argument("--json", action="store_true")

@@ -11,7 +11,9 @@ world's captions and the judge come from `kit`. So it checks what a user of the 
 `base` draws 64 scenes of the toy world (one seed each) and prints the judge's accuracy per
 attribute. `lora` draws trigger prompts (the concept in scenes the dataset may not have) and
 unrelated prompts (the base world), without and with the LoRA, and prints how often the concept
-appears and how accurate the unrelated prompts stay. `--json FILE` also saves the numbers.
+appears and how accurate the unrelated prompts stay, and how far they drift from the base's
+images for the same prompt and seed (`kit.toy.drift`, the learning report's measures on the
+same prompts and seeds). `--json FILE` also saves the numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kit.toy import world as toyworld
+from kit.toy.drift import drift_measures, drift_scenes
 from kit.toy.judge import score
 
 SETTINGS = {"num_inference_steps": 20, "guidance_scale": 5.0, "width": 64, "height": 64}
@@ -49,10 +52,13 @@ def draw(pipe, prompts: list[str]) -> list:
     ]
 
 
-def judged(images: list, scenes: list[toyworld.Scene], concept: str) -> dict:
-    """Accuracy per attribute, and how many images show the concept color or shape."""
+def judged(images: list, scenes: list[toyworld.Scene], concept: str, keep: dict | None = None):
+    """Accuracy per attribute, and how many images show the concept color or shape; the
+    judge's verdicts go to `keep["verdicts"]` when given."""
     result = score(images, scenes)
     verdicts = result.pop("verdicts")
+    if keep is not None:
+        keep["verdicts"] = verdicts
     shown = sum(concept in (v["color"], v["shape"]) for v in verdicts)
     return {**{k: round(v, 4) for k, v in result.items()}, "concept_rate": shown / len(verdicts)}
 
@@ -65,22 +71,28 @@ def score_base(base: str, seeds: int, seed: int = 123) -> dict:
 
 def score_lora(base: str, lora: str, trigger: str, seeds: int) -> dict:
     """Trigger and unrelated prompts without, then with, the LoRA."""
-    if trigger in toyworld.CONCEPT_COLORS:
-        concept_scenes = toyworld.sample_scenes(seeds, 1000, colors=(trigger,))
-    elif trigger in toyworld.CONCEPT_SHAPES:
-        concept_scenes = toyworld.sample_scenes(seeds, 1000, shapes=(trigger,))
-    else:
-        raise SystemExit(f"--trigger {trigger!r} is no toy-world concept")
-    unrelated = toyworld.sample_scenes(seeds, 2000)
-    groups = {"trigger": concept_scenes, "unrelated": unrelated}
+    try:
+        groups = drift_scenes(trigger, seeds)
+    except ValueError:
+        raise SystemExit(f"--trigger {trigger!r} is no toy-world concept") from None
     pipe = pipeline(base)
     out: dict = {}
+    verdicts: dict = {}
     for label in ("before", "after"):
         if label == "after":
             pipe.load_lora_weights(lora)
         for name, scenes in groups.items():
             images = draw(pipe, [toyworld.caption(s) for s in scenes])
-            out[f"{name}_{label}"] = judged(images, scenes, trigger)
+            kept: dict = {}
+            out[f"{name}_{label}"] = judged(images, scenes, trigger, kept)
+            verdicts[f"{name}_{label}"] = kept["verdicts"]
+    out["drift"] = drift_measures(
+        verdicts["unrelated_before"],
+        verdicts["unrelated_after"],
+        groups["unrelated"],
+        verdicts["trigger_after"],
+        trigger,
+    )
     out["summary"] = {
         "concept_rate_before": out["trigger_before"]["concept_rate"],
         "concept_rate_after": out["trigger_after"]["concept_rate"],

@@ -26,6 +26,7 @@ GROUND = (
     "kit.config",
     "kit.config.sections",
     "kit.config.model",
+    "kit.config.preservation",
     "kit.optim",
     "kit.precision",
 )

@@ -114,7 +114,7 @@ def test_demo_fine_tune_teaches_the_concept(tmp_path):
 
     cfg = load_config(DEMO, {"output_dir": str(tmp_path / "run"), **REDUCED})
     train(cfg)
-    report = learning_report(tmp_path / "run", seeds=8, per_group=4)
+    report = learning_report(tmp_path / "run", seeds=8, per_group=4, drift_seeds=8)
     s = report["summary"]
     assert json.loads((tmp_path / "run" / "learning_report.json").read_text()) == report
     assert report["concept"] == {"color": "zorbic"}
@@ -124,6 +124,26 @@ def test_demo_fine_tune_teaches_the_concept(tmp_path):
     assert s["unrelated_drop_points"] <= 12.5, s
     memorized = report["groups"]["memorization"]["after"]
     assert memorized["concept_rate"] >= 0.75, memorized
+    # The drift measures agree with the independent check: plain diffusers, the exported file
+    # loaded by `load_lora_weights`, on the same prompts and seeds.
+    import sys
+
+    from kit.export.writer import export
+
+    lora = export(tmp_path / "run", "diffusers", verify=False).path
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import score_toy
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    check = score_toy.score_lora(str(BASE), str(lora), "zorbic", 8)
+    drift = report["drift"]
+    for key, value in check["drift"].items():
+        assert drift[key] == pytest.approx(value, abs=1.0), (key, drift, check["drift"])
+    assert drift["concept_rate_after"] == check["trigger_after"]["concept_rate"]
+    assert drift["unrelated_color_after"] == check["unrelated_after"]["color"]
+    # The pink drifts the unrelated prompts' colors: the distances say so where rates do not.
+    assert drift["color_drift"] > 2 * drift["color_error_before"], drift
 
 
 def test_saved_report_prints_as_a_table(tmp_path, capsys):

@@ -91,9 +91,9 @@ def test_alpha_mask_lands_on_the_latent_grid_and_trains(
 
     seen = []
 
-    def recording(family, comps, batch, generator, device):
+    def recording(family, comps, batch, generator, device, *rest):
         seen.append(batch["loss_mask"].shape)
-        return denoising_loss(family, comps, batch, generator, device)
+        return denoising_loss(family, comps, batch, generator, device, *rest)
 
     monkeypatch.setattr(kit.train.step, "denoising_loss", recording)
     assert train(cfg).step == 2

@@ -93,7 +93,11 @@ def test_all_notebooks_run_headlessly(tmp_path, make_config, capsys):
     )
     out = tmp_path / "demo"
     assert (
-        main(["notebooks", str(out), "-p", "config_path", str(cfg), "-p", "plot_every", "2"]) == 0
+        main(
+            ["notebooks", str(out), "-p", "config_path", str(cfg), "-p", "plot_every", "2"]
+            + ["-p", "drift_prompts", "4"]
+        )
+        == 0
     )
     for name in NOTEBOOKS:
         nb = nbformat.read(out / "notebooks" / f"{name}.ipynb", as_version=4)
@@ -108,6 +112,8 @@ def test_all_notebooks_run_headlessly(tmp_path, make_config, capsys):
     console = capsys.readouterr()
     printed = console.out
     assert "What the fine-tune learned" in printed and "concept on trigger prompts" in printed
+    # Drift as distances too, on the 4 drift prompts asked for, in the console and the file.
+    assert "drift of unrelated prompts (4 prompts" in printed and report["drift"]["n"] == 4
     # One line per notebook, as it ends: its name, its time and where its executed copy is.
     for name in NOTEBOOKS:
         line = next(x for x in printed.splitlines() if x.startswith(name))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kit.config.model import ModelConfig
+from kit.config.preservation import PreservationConfig, SliderConfig
 from kit.config.sections import (
     DataConfig,
     DatasetConfig,
@@ -38,6 +39,8 @@ __all__ = [
     "ModelConfig",
     "NetworkConfig",
     "ObjectiveConfig",
+    "PreservationConfig",
+    "SliderConfig",
     "TrainConfig",
     "ValidationConfig",
     "ValidationPrompt",
@@ -167,6 +170,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             choices = ", ".join(repr(a) for a in args)
             raise ConfigError(f"{key}: {value!r} is not one of {choices}{hint}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected an object, got {type(value).__name__} {value!r}")
+        kt, vt = args
+        return {_coerce(key, k, kt): _coerce(f"{key}.{k}", v, vt) for k, v in value.items()}
     if origin is list:
         (inner,) = args
         if isinstance(value, str | int | float) and not isinstance(value, bool):

@@ -10,6 +10,7 @@ from typing import Literal
 
 from PIL import ImageColor
 
+from kit.config.preservation import PreservationConfig, SliderConfig
 from kit.errors import ConfigError
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
@@ -58,6 +59,8 @@ class DatasetConfig:
     class images), weighted by `loss_weight` and skipped by the trigger-word checks."""
     loss_weight: float = 1.0
     """Weight of this dataset's samples in the loss (DreamBooth's prior-preservation weight)."""
+    target: Literal["noise", "base_prediction"] = "noise"
+    """What a prior dataset's images train toward: their noise, or the base model's prediction."""
     generate: GenerateConfig | None = None
     """A prior dataset's class images drawn by the base model into `image_dir` before training
     (`{"count": 200, "prompt": "a photo of a dog"}`); drawn once, kept like any image."""
@@ -90,10 +93,13 @@ class DatasetConfig:
             raise ConfigError(f"loss_weight: {self.loss_weight} must be 0 or more")
         if self.generate is not None and self.generate.count and self.role != "prior":
             raise ConfigError("generate: class images are drawn for a dataset of role prior")
+        if self.target != "noise" and self.role != "prior":
+            raise ConfigError(f"target: {self.target} is for a dataset of role prior")
 
     def overrides(self) -> dict[str, object]:
         """The data-section fields this dataset sets for itself."""
         own = {"name", "image_dir", "caption_dir", "mask_dir", "repeats", "role", "loss_weight"}
+        own.add("target")
         out: dict[str, object] = {
             f.name: getattr(self, f.name)
             for f in dataclass_fields(self)
@@ -401,6 +407,10 @@ class ObjectiveConfig:
     the decay ramps up as (1 + n) / (10 + n) over the first updates n, as in diffusers."""
     ema_on_cpu: bool = False
     """Hold the EMA copy in CPU memory instead of on the GPU."""
+    preservation: PreservationConfig | None = None
+    """Keep the base model's output on class-word or empty prompts (`PreservationConfig`)."""
+    slider: SliderConfig | None = None
+    """Train the adapter as a slider from a prompt pair (`SliderConfig`), not from the images."""
 
     def __post_init__(self) -> None:
         if self.logit_std <= 0:

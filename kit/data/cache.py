@@ -85,12 +85,19 @@ class CachedDataset:
     """The datasets' roles (`instance`, `prior`), by `Sample.dataset`."""
     masks: list[MaskSource] = field(default_factory=list)
     """Per sample, where its loss mask comes from (`masked_loss`); empty without masks."""
+    preserve_texts: list[list[str]] = field(default_factory=list)
+    """Per sample and caption variant, its preservation prompt (`preservation`); else empty."""
+    preserve_files: list[list[Path]] = field(default_factory=list)
+    """The embedding file of each preservation prompt, as `variant_files`."""
+    base_targets: list[bool] = field(default_factory=list)
+    """Per sample, whether it trains toward the base model's prediction; empty when none does."""
     store: EntryStore = field(default_factory=FileStore)
     """Where the entries are kept (`cache_format`): the entry paths above address it."""
     text_path: Callable[[str], Path] | None = None
     """A text's embedding file (keyed as every caption's)."""
     prompt_files: dict[str, Path] = field(default_factory=dict)
-    """Texts that no sample trains on, cached with the captions (`add_prompts`)."""
+    """Texts that no sample trains on, cached with the captions: a slider's prompts, and the
+    validation prompts (`add_prompts`) → their embedding file."""
 
     def kept(self) -> list[Sample]:
         """The samples trained on, once each (a mirrored twin is the same sample)."""
@@ -104,9 +111,9 @@ class CachedDataset:
     def text_entries(self) -> list[Path]:
         """Every distinct text-embedding file the dataset uses."""
         files = {f for fs in self.variant_files for f in fs} | set(self.text_files)
+        files |= {f for fs in self.preserve_files for f in fs} | set(self.prompt_files.values())
         if self.empty_text_file is not None:
             files.add(self.empty_text_file)
-        files.update(self.prompt_files.values())
         return sorted(files)
 
     def add_prompts(self, texts: list[str]) -> None:
@@ -152,6 +159,13 @@ class CachedDataset:
             out["target_size"].append(torch.tensor([p.bucket[1], p.bucket[0]]))
         if self.loss_weights:
             out["loss_weight"] = [torch.tensor(self.loss_weights[i]) for i in indices]
+        for j, i in enumerate(indices):
+            if self.preserve_files:  # as `preserve.<key>`: the training loss takes them out
+                kept = self.preserve_files[i][variants[j] if variants else 0]
+                for k, v in self.store.get(kept).items():
+                    out[f"preserve.{k}"].append(v)
+            if self.base_targets:
+                out["base_target"].append(torch.tensor(self.base_targets[i]))
         return {k: torch.stack(v) for k, v in out.items()}
 
     def draw_variants(self, n: int, generator: torch.Generator) -> list[int] | None:
@@ -243,6 +257,9 @@ def plan_cache(
         for s in samples[: plan.size]
     ] * twins
     weights = [seen[s.dataset].loss_weight for s in samples] if weighted(cfg.data) else []
+    keep, slider = cfg.objective.preservation, cfg.objective.slider
+    kept = [[keep.prompt_for(t) for t in ts] for ts in texts] if keep is not None else []
+    toward_base = [seen[s.dataset].target == "base_prediction" for s in samples]
 
     text_file = functools.partial(_text_path, text_dir, str(dtype))
 
@@ -257,6 +274,10 @@ def plan_cache(
         variant_files=variant_files,
         empty_text_file=text_file("") if empty else None,
         loss_weights=weights,
+        preserve_texts=kept,
+        preserve_files=[[text_file(t) for t in ts] for ts in kept],
+        base_targets=toward_base if any(toward_base) else [],
+        prompt_files={p: text_file(p) for p in slider.prompts()} if slider is not None else {},
         names=[v.name for v in seen] if cfg.data.datasets else [],
         roles=[v.role for v in seen] if cfg.data.datasets else [],
         skipped=list(masked.refused) if masked is not None else [],
@@ -370,6 +391,8 @@ def _encode_missing(
     wanted: dict[Path, str] = {}
     for ts, fs in zip(data.variant_texts, data.variant_files, strict=True):
         wanted.update(zip(fs, ts, strict=True))
+    for ts, fs in zip(data.preserve_texts, data.preserve_files, strict=True):
+        wanted.update(zip(fs, ts, strict=True))
     if data.empty_text_file is not None:
         wanted[data.empty_text_file] = ""
     wanted.update((f, t) for t, f in data.prompt_files.items())
@@ -402,8 +425,9 @@ def _drop_undecodable(data: CachedDataset, bad: dict[int, str]) -> None:
     if not keep:
         raise DataError(f"no usable images: every image failed to decode ({undecodable[0][1]})")
     names = ("samples", "digests", "latent_files", "text_files", "variant_texts", "variant_files")
-    if data.loss_weights:
-        names += ("loss_weights",)
+    for extra in ("loss_weights", "preserve_texts", "preserve_files", "base_targets"):
+        if getattr(data, extra):
+            names += (extra,)
     if data.masks:
         names += ("masks",)
     for name in names:

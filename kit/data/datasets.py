@@ -36,6 +36,11 @@ class DatasetView:
         return self.role == "prior"
 
     @property
+    def target(self) -> str:
+        """What its samples train toward: `noise`, or the base model's prediction."""
+        return self.entry.target if self.entry is not None else "noise"
+
+    @property
     def where(self) -> str:
         """How messages name the dataset: `datasets[1] (reg)`, or '' for a single folder."""
         return f"datasets[{self.index}] ({self.name})" if self.entry is not None else ""

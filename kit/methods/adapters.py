@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -238,6 +240,47 @@ class Adapter(Method):
     def mark_trainable(self, parts: dict[str, nn.Module]) -> NetworkSummary:
         freeze_all(parts.values())
         return self._attach(parts["denoiser"], text_encoder_parts(parts))
+
+    switchable = True
+
+    @contextmanager
+    def adapter_off(self, comps: Components) -> Iterator[None]:
+        """Every adapter layer of the denoiser and text encoders disabled (peft's
+        `enable_adapters(False)`, as `disable_adapter()` does), then enabled again with each
+        parameter's `requires_grad` as it was (peft's enabling would set it on them all)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        roots = [unwrap(comps.denoiser), *self._text_parts(comps.text_encoders).values()]
+        layers = [m for r in roots for m in r.modules() if isinstance(m, BaseTunerLayer)]
+        flags = [(p, p.requires_grad) for m in layers for p in m.parameters()]
+        was = [m.disable_adapters for m in layers]
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for m, off in zip(layers, was, strict=True):
+                m.enable_adapters(not off)
+            for p, grad in flags:
+                p.requires_grad_(grad)
+
+    @contextmanager
+    def adapter_scaled(self, comps: Components, scale: float) -> Iterator[None]:
+        """Every adapter layer's update multiplied by `scale` (peft's `scale_layer`, as
+        diffusers' `cross_attention_kwargs={"scale": ...}`); each layer's own scaling is put
+        back exactly afterwards."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        roots = [unwrap(comps.denoiser), *self._text_parts(comps.text_encoders).values()]
+        layers = [m for r in roots for m in r.modules() if isinstance(m, BaseTunerLayer)]
+        saved = [dict(m.scaling) for m in layers]
+        for m in layers:
+            m.scale_layer(scale)
+        try:
+            yield
+        finally:
+            for m, scaling in zip(layers, saved, strict=True):
+                m.scaling.update(scaling)
 
     # ------------------------------------------------------------ export
 

@@ -8,6 +8,7 @@ the estimator, the planner and export call these and never branch on a method's 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,11 @@ class Method:
     """The adapter kind appended to `modelspec.architecture` (`lora`, `textual-inversion`);
     empty for a whole model."""
 
+    switchable = False
+    """What trains is an adapter beside the frozen base that can be switched off
+    (`adapter_off`), so the base model's own prediction is there to compare with (output
+    preservation, base-prediction targets)."""
+
     def __init__(self, cfg: Config, family: Family) -> None:
         self.cfg = cfg
         self.family = family
@@ -123,6 +129,14 @@ class Method:
 
     def after_step(self, comps: Components) -> None:
         """Upkeep after each optimizer step (nothing by default)."""
+
+    def adapter_off(self, comps: Components) -> AbstractContextManager[None]:
+        """Within the block the model predicts as the base alone (only where `switchable`)."""
+        raise NotImplementedError(f"{self.name} has no adapter to switch off")
+
+    def adapter_scaled(self, comps: Components, scale: float) -> AbstractContextManager[None]:
+        """Within the block the adapter acts at `scale` (only where `switchable`)."""
+        raise NotImplementedError(f"{self.name} has no adapter to scale")
 
     # ------------------------------------------------------------ memory model
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kit.config import Config
+from kit.config.preservation import denoiser_rows
 from kit.data.buckets import assign_bucket, make_buckets
 from kit.families import Family, get_family
 from kit.families.identity import fingerprint
@@ -189,6 +190,8 @@ def _trace_key(cfg: Config, shape: Shape | None) -> str:
             + ([m.train_experts] if m.train_experts else []),
             "frames": [d.num_frames, d.frame_stride],
             "network": cfg.to_dict()["network"],
+            # Only a run that preserves output keys its rows, so other keys stay as they were.
+            **({"rows": denoiser_rows(cfg)} if denoiser_rows(cfg) != (1, 0) else {}),
             "shape": shape.__dict__ if shape else None,
         }
     )

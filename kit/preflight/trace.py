@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from kit.config import Config, TrainConfig
+from kit.config.preservation import denoiser_rows
 from kit.families import Family, get_family
 from kit.families.shipped import config_source
 from kit.methods import get_method
@@ -367,10 +368,24 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
         hooks.append(
             p.register_post_accumulate_grad_hook(lambda p: counter.retag(p.grad, "gradients"))
         )
+    # Output preservation trains the batch and its preservation rows in one pass, after a pass
+    # of the base (adapter off, no gradients) over the rows it compares with.
+    trained_rows, base_rows = denoiser_rows(cfg)
     try:
         with counter:
+            if base_rows:
+                counter.tag = "other"
+                args, kwargs = family.denoiser_inputs(
+                    parts, shape.batch * base_rows, shape.height, shape.width
+                )
+                with torch.no_grad(), Autocast(half, state["cache"]):
+                    denoiser(*args, **kwargs)
+                state["cache"].clear()
+                del args, kwargs
             counter.tag = "batch"
-            args, kwargs = family.denoiser_inputs(parts, shape.batch, shape.height, shape.width)
+            args, kwargs = family.denoiser_inputs(
+                parts, shape.batch * trained_rows, shape.height, shape.width
+            )
             args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
             inputs = sum(
                 t.numel() * t.element_size()

@@ -108,8 +108,9 @@ def judge(image: Image.Image | np.ndarray) -> dict[str, Any]:
 
     Returns background, color, shape, size and position (names from `kit.toy.world`; color and
     shape may be concepts such as `zorbic` and `zorbstar`, shape None for a blob like no shape),
-    plus `confidence` and `found` (False when nothing stands out from the background; then only
-    `background` counts).
+    plus `confidence`, `found` (False when nothing stands out from the background; then only
+    `background` counts) and `rgb`, the shape's measured color (None when nothing was found), and `extent`, the
+    longer side of its bounding box over the image's shorter side (0 when nothing was found).
     """
     rgb = _rgb(image)
     h, w = rgb.shape[:2]
@@ -127,6 +128,8 @@ def judge(image: Image.Image | np.ndarray) -> dict[str, Any]:
             "position": None,
             "confidence": 0.0,
             "found": False,
+            "rgb": None,
+            "extent": 0.0,
         }
     color, _ = _nearest(fg_color, {**toyworld.COLORS, **toyworld.CONCEPT_COLORS})
     feats = _features(mask)
@@ -148,6 +151,8 @@ def judge(image: Image.Image | np.ndarray) -> dict[str, Any]:
         "position": position,
         "confidence": round((d2 - d1) / (d2 + d1 + 1e-9), 4),
         "found": True,
+        "rgb": [round(float(c), 2) for c in fg_color],
+        "extent": round(float(side), 4),
     }
 
 

@@ -6,6 +6,10 @@
 
 Each group is drawn with the adapter at scale 0 (the base model alone) and 1, with the same seeds,
 and `learning_report` writes the scores to `learning_report.json` in the run folder.
+
+Pass rates hide drift (a red circle turned salmon is still red), so the report also measures it
+as distances (`kit.toy.drift`), on the same prompts and seeds as `scripts/score_toy.py`, drawn
+by plain pipeline calls: the two agree.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from kit.families.base import ImageSpec
 from kit.io import write_json
 from kit.sample.validate import load_trained, run_validation
 from kit.toy import world as toyworld
-from kit.toy.judge import score
+from kit.toy.drift import DRIFT_SEEDS, accuracy, drift_measures, drift_scenes, prompt_of
+from kit.toy.judge import judge, score
 
 GROUPS = ("memorization", "generalization", "unrelated")
 """The prompt groups, in the order they are drawn and shown."""
@@ -97,10 +102,12 @@ def learning_report(
     seeds: int = 32,
     checkpoint: str | Path | None = None,
     per_group: int = 8,
+    drift_seeds: int = DRIFT_SEEDS,
 ) -> dict[str, Any]:
     """Draw the three groups at adapter scale 0 and 1, score them, write `learning_report.json`.
 
-    `seeds` images per group and scale, spread over `per_group` prompts.
+    `seeds` images per group and scale, spread over `per_group` prompts; the drift measures on
+    `drift_seeds` prompts per group (0 leaves them out).
     """
     run, cfg, family, comps, source = load_trained(run_dir, checkpoint)
     pipe = family.pipeline(comps)
@@ -149,9 +156,68 @@ def learning_report(
             entry[label] = _scores(images, [s.prompt for s in specs], trigger, slot, concept)
             entry[f"{label}_grid"] = str(grid)
         report["groups"][name] = entry
+    if drift_seeds:
+        steps = v.validation_num_inference_steps
+        report["drift"] = drift(family, pipe, trigger, concept, side, steps, drift_seeds)
     report["summary"] = summary(report)
     write_json(run.root / "learning_report.json", report)
     return report
+
+
+def run_drift(run_dir: str | Path, n: int = DRIFT_SEEDS, checkpoint: str | Path | None = None):
+    """The drift measures of a run's checkpoint alone (the latest by default), without the
+    prompt groups: what `scripts/preservation_table.py` compares settings by."""
+    run, cfg, family, comps, _ = load_trained(run_dir, checkpoint)
+    trigger = (cfg.data.trigger_words or [toyworld.TRIGGER_WORD])[0]
+    captions = [r["caption"] for r in json.loads(run.manifest.read_text())]
+    _, concept = concept_of(captions, trigger)
+    v = cfg.validation
+    side = v.validation_resolution or cfg.data.resolution
+    pipe = family.pipeline(comps)
+    return drift(family, pipe, trigger, concept, side, v.validation_num_inference_steps, n)
+
+
+def drift(
+    family: Any, pipe: Any, trigger: str, concept: str, side: int, steps: int, n: int = DRIFT_SEEDS
+) -> dict[str, Any]:
+    """The drift measures (`kit.toy.drift`) on the independent check's prompts and seeds:
+    prompt i drawn with seed i by a plain pipeline call, the adapter at scale 0 and 1."""
+    scenes = drift_scenes(concept, n)
+    pipe.set_progress_bar_config(disable=True)
+    verdicts: dict[str, list[dict[str, Any]]] = {}
+    for label, scale in (("before", 0.0), ("after", 1.0)):
+        for name, group in scenes.items():
+            specs = [
+                ImageSpec(
+                    prompt_of(sc, concept, trigger),
+                    "",
+                    i,
+                    steps,
+                    family.guidance_scale(),
+                    side,
+                    side,
+                    adapter_scale=scale,
+                )
+                for i, sc in enumerate(group)
+            ]
+            verdicts[f"{name}_{label}"] = [judge(family.sample(pipe, sp)[0]) for sp in specs]
+    slot = "color" if concept in toyworld.CONCEPT_COLORS else "shape"
+    out = drift_measures(
+        verdicts["unrelated_before"],
+        verdicts["unrelated_after"],
+        scenes["unrelated"],
+        verdicts["trigger_after"],
+        concept,
+    )
+    out["n"] = n
+    for label in ("before", "after"):
+        trig = verdicts[f"trigger_{label}"]
+        out[f"concept_rate_{label}"] = round(sum(v[slot] == concept for v in trig) / n, 4)
+        for attr in ("color", "shape"):
+            out[f"unrelated_{attr}_{label}"] = accuracy(
+                verdicts[f"unrelated_{label}"], scenes["unrelated"], attr
+            )
+    return out
 
 
 def _load(path: Path) -> Any:
@@ -173,6 +239,18 @@ def summary(report: dict[str, Any]) -> dict[str, float]:
     out["unrelated_drop_points"] = round(
         100 * (out["unrelated_accuracy_before"] - out["unrelated_accuracy_after"]), 1
     )
+    d = report.get("drift")
+    if d:
+        for key in (
+            "color_drift",
+            "shape_agreement",
+            "position_agreement",
+            "color_error_before",
+            "color_error_after",
+            "concept_color_distance",
+        ):
+            if key in d:
+                out[key] = d[key]
     return out
 
 

@@ -39,7 +39,14 @@ def validate(s: TrainState, step: int) -> Path:
         pipe = EmbeddedPrompts(pipe, s.data.prompt_text, s.family)
     s.denoiser.eval()
     specs = image_specs(cfg, s.family, s.prompts)
-    cols, meta = len(cfg.validation.validation_seeds), {"base_model": cfg.model.pretrained_model}
+    slider, cols = cfg.objective.slider, len(cfg.validation.validation_seeds)
+    if slider is not None:  # a slider's grid: its target prompt, a row per scale
+        specs = [
+            replace(x, prompt=slider.target, adapter_scale=k)
+            for k in slider.scales
+            for x in specs[:cols]
+        ]
+    meta = {"base_model": cfg.model.pretrained_model}
     adapter = s.training_adapter
     # The step's own grid is what the exported LoRA draws: without a training adapter.
     without = adapter.switched_off() if adapter is not None else contextlib.nullcontext()

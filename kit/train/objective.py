@@ -19,6 +19,7 @@ def denoising_loss(
     batch: dict[str, torch.Tensor],
     generator: torch.Generator,
     device: torch.device | str,
+    reg: Any = None,
 ) -> torch.Tensor:
     """The per-element loss (`loss_type`) between the denoiser's output and the family's
     target, averaged per sample, then weighted per sample (min-SNR, flow weighting, and the
@@ -27,15 +28,24 @@ def denoising_loss(
     A batch's `loss_mask` (masked loss: (B, 1, h, w), or (B, 1, F, h, w) for clips, on the
     latent grid) weights the elements; each sample's loss is then the mean over its mask, so a
     small subject trains as strongly as a large one. A batch's `loss_weight` (B,) scales each
-    sample (a prior dataset's prior-preservation weight)."""
+    sample (a prior dataset's prior-preservation weight).
+
+    `reg` (`kit.train.preserve.Preserver`) makes the predictions and targets when the run
+    preserves the base's output or trains samples toward the base's prediction; its
+    per-sample preservation loss joins each sample's (weighted like it by the timestep)."""
     o = family.cfg.objective
     batch = {k: v.to(device) for k, v in batch.items()}
     latents = batch.pop("latents")
     mask = batch.pop("loss_mask", None)
     sample_weight = batch.pop("loss_weight", None)
+    extras = {k: batch.pop(k) for k in list(batch) if k.startswith(("preserve.", "base_target"))}
     draw = family.noise_and_target(comps, latents, generator)
-    pred = family.predict(comps, draw.noisy, draw.timesteps, batch)
-    elements = elementwise_loss(pred, draw.target, o.loss_type, o.huber_c)
+    extra = None
+    if reg is None:
+        pred, target = family.predict(comps, draw.noisy, draw.timesteps, batch), draw.target
+    else:
+        pred, target, extra = reg(family, comps, draw, batch, extras, generator)
+    elements = elementwise_loss(pred, target, o.loss_type, o.huber_c)
     if mask is None:
         per_sample = elements.flatten(1).mean(1)
     else:
@@ -46,6 +56,8 @@ def denoising_loss(
         per_sample = per_sample * draw.weight.to(per_sample)
     if sample_weight is not None:
         per_sample = per_sample * sample_weight.to(per_sample)
+    if extra is not None:
+        per_sample = per_sample + extra * (1 if draw.weight is None else draw.weight.to(extra))
     return per_sample.mean()
 
 

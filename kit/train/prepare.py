@@ -33,9 +33,11 @@ from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_acceler
 from kit.train.agreement import check_agreement
 from kit.train.classes import draw_class_images, wanted
 from kit.train.log import emitter, start_trackers
-from kit.train.objective import EMA, FixedLoss
+from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
+from kit.train.preserve import Preserver, check_preservation
 from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
+from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
 from kit.train.step import check_compile, compile_denoiser
 
@@ -55,6 +57,7 @@ def prepare(
     run = RunDir(Path(t.output_dir))
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)  # a pair that cannot be trained is refused here
+    check_preservation(cfg, method)
     _refuse_deepspeed_with_several_models(method)
     _refuse_under_fsdp(cfg, method)
     accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)
@@ -248,6 +251,12 @@ def prepare(
         resume_from=resume_from,
         generator=generator,
     )
+    if o.slider is not None:
+        s.regular = Slider(cfg, method, data)
+    elif o.preservation is not None or data.base_targets:
+        s.regular = Preserver(
+            cfg, method, lambda p, q: elementwise_loss(p, q, o.loss_type, o.huber_c)
+        )
     if resume_from is not None:
         restore(s, resume_from)
         accelerator.print(f"resumed from {resume_from} at step {s.step}")

@@ -98,6 +98,9 @@ class TrainState:
     resume_from: Path | None
     generator: torch.Generator
     """The stream saved in checkpoints: the seed's, then that of the last batch drawn."""
+    regular: Any = None
+    """Output preservation and base-prediction targets (`kit.train.preserve.Preserver`), when
+    the run has either; None trains on the plain denoising loss."""
     step: int = 0
     epoch: int = 0
     position: int = 0

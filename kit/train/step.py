@@ -63,7 +63,7 @@ def micro_step(
                     for j, (i, d) in enumerate(zip(indices, dropped, strict=True))
                 ]
                 batch.update(s.family.encode_text(s.comps, captions))
-            loss = denoising_loss(s.family, s.comps, batch, generator, s.device)
+            loss = denoising_loss(s.family, s.comps, batch, generator, s.device, s.regular)
         acc.backward(loss)
         grad_norm = None
         if acc.sync_gradients:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import json
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -82,6 +83,8 @@ class _Field:
             self.widget = W.Textarea(placeholder="one per line", rows=3)
         elif origin is list:
             self.widget = W.Text(placeholder="comma-separated")
+        elif dataclasses.is_dataclass(inner):
+            self.widget = W.Text(placeholder='empty: none; else a JSON object, e.g. {"kind": ...}')
         elif inner is not None or tp is str:
             self.widget = W.Text(placeholder="empty: none" if inner is not None else "")
         else:
@@ -105,6 +108,8 @@ class _Field:
             return sep.join(str(v) for v in value)
         if value is None:
             return ""
+        if dataclasses.is_dataclass(value):
+            return json.dumps(dataclasses.asdict(value))
         return str(value) if self.text else value
 
     def from_widget(self, raw: Any) -> Any:
@@ -116,6 +121,12 @@ class _Field:
             parts = [p.strip() for p in str(raw).split(sep) if p.strip()]
             return [_number(self.name, p, item) for p in parts]
         inner = _optional(self.tp)
+        if dataclasses.is_dataclass(inner):
+            text = str(raw).strip()
+            try:
+                return json.loads(text) if text else None
+            except ValueError:
+                raise ConfigError(f"{self.name}: expected a JSON object, got {text!r}") from None
         if inner is not None:
             text = str(raw).strip()
             return None if not text else _number(self.name, text, inner)
