@@ -146,7 +146,9 @@ def test_flux_dev_lora_on_16_and_24_gb_cards():
     assert nf4.total_bytes < 16 * GIB and nf4.fits(GPUS[SIXTEEN])
     assert "denoiser_weights" not in nf4.details["setup"]
     assert (
-        nf4.details["setup"]["text_encoder_2_weights"] == bf16.components["text_encoder_2_weights"]
+        nf4.details["setup"]["text_encoder_2_weights"]
+        == bf16.details["setup"]["text_encoder_2_weights"]
+        > 9 * GIB
     )
     # Once the cache is filled the encoders are gone (the grids draw from cached embeddings);
     # the VAE stays, not quantized.
@@ -185,7 +187,7 @@ def test_every_advice_row_is_config_keys_the_trainer_takes(tmp_path):
     keys = set()
     for card in (SIXTEEN, TWENTY_FOUR, "A100 40GB"):
         rows = advise(load_config(config), GPUS[card], top=4)
-        assert len(rows) >= (2 if card == SIXTEEN else 3)
+        assert len(rows) >= 2
         keys |= {k for r in rows for k in r["set"]}
         kept = [r for r in rows if not r["changes_learning"]]
         assert [r["slowdown"] for r in kept] == sorted(r["slowdown"] for r in kept)
@@ -238,7 +240,8 @@ def test_cli_estimate_shows_host_ram_and_advice_as_keys(tmp_path, capsys):
     config = _write(tmp_path / "flux.json", **FLUX_DEV)
     assert main(["estimate", str(config), "--json", "--gpu", SIXTEEN]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["host_ram_bytes"] == sum(out["host_ram"].values()) > 30 * GIB
+    # The larger of the two loads: the 12 B denoiser in bf16, after the encoders have gone.
+    assert out["host_ram_bytes"] == sum(out["host_ram"].values()) > 24 * GIB
     assert out["fits_gpu"] is False and out["setup_bytes"] == out["details"]["setup_bytes"]
     assert main(["estimate", str(config), "--json", "--gpu", TWENTY_FOUR]) == 0
     out = json.loads(capsys.readouterr().out)
