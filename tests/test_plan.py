@@ -176,3 +176,14 @@ def test_a_config_with_datasets_is_planned_with_repeats(tmp_path, dataset):
     assert [d.repeats for d in p.config.data.datasets] == [4, 1]
     with pytest.raises(KitError, match="lists `datasets`"):
         plan(dataset, "character", base=base)
+
+
+def test_a_step_distilled_base_is_planned_with_the_way_out(dataset, tiny_base):
+    """Z-Image Turbo (the tiny one is Turbo: its scheduler's shift) is said to be distilled,
+    with the training adapter and the non-distilled base as the ways out; the base is not."""
+    p = plan(dataset, "character", family="zimage", pretrained_model=str(tiny_base("zimage")))
+    why = _reason(p, "training_adapter")
+    assert "step-distilled" in why and "training_adapter" in why and "non-distilled" in why
+    assert p.config.model.training_adapter == ""
+    sd = plan(dataset, "character", pretrained_model=str(tiny_base("sd15")))
+    assert not any("training_adapter" in r["setting"] for r in sd.rows())

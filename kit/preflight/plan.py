@@ -238,6 +238,15 @@ def plan(
             f"{fam_name}'s native size; the median image's short side is {short:g} px",
             resolution=res,
         )
+    distilled = fam.distillation(cfg.model.pretrained_model)
+    if distilled and not cfg.model.training_adapter:
+        propose(
+            f"{distilled} A LoRA trained on it straight comes out weak or grainy: set "
+            "training_adapter to a de-distilling LoRA made for it (run inside the base while "
+            "training, left out of the export), or plan on the non-distilled base "
+            "(--pretrained-model)",
+            training_adapter="",
+        )
     buckets = plan_buckets(samples, from_dict(flat).data, fam.bucket_step, cfg.train.seed)
     # Per group, how many samples an epoch trains (with each dataset's repeats).
     counts = {k: buckets.occurrences(idx) for k, idx in buckets.groups().items()}
