@@ -148,7 +148,7 @@ def test_flux_dev_lora_on_16_and_24_gb_cards():
     assert (
         nf4.details["setup"]["text_encoder_2_weights"]
         == bf16.details["setup"]["text_encoder_2_weights"]
-        > 9 * GIB
+        > 8.5 * GIB  # T5-XXL in bf16
     )
     # Once the cache is filled the encoders are gone (the grids draw from cached embeddings);
     # the VAE stays, not quantized.
