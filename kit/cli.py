@@ -84,7 +84,8 @@ def cmd_tiny(args: argparse.Namespace) -> int:
             raise KitError(f"--variant: {args.family} writes one tiny layout; leave it out")
         extra["variant"] = args.variant
     path = family.make_tiny(args.out_dir, seed=args.seed, **extra)
-    print(f"wrote a tiny random-init {args.family} {args.variant or ''} model to {path}")
+    kind = f"{args.family} ({args.variant})" if args.variant else args.family
+    print(f"wrote a tiny random-init {kind} model to {path}")
     return 0
 
 
