@@ -10,7 +10,7 @@ from typing import Literal
 
 from PIL import ImageColor
 
-from kit.errors import ConfigError
+from kit.errors import ConfigError, at_least
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
 
@@ -549,6 +549,13 @@ class TrainConfig:
             raise ConfigError(f"learning_rate: {self.learning_rate} must be positive")
         if self.mixed_precision == "fp32":
             self.mixed_precision = "no"
+        at_least(self, 0, "checkpointing_steps", "checkpoints_total_limit", "stable_loss_steps")
+        at_least(self, 0, "lr_warmup_steps", "blocks_to_swap")
+        at_least(self, 1, "logging_steps")
+        if not self.output_dir.strip():
+            raise ConfigError(
+                "output_dir: empty; set it to a folder of its own for the run (e.g. runs/my-lora)"
+            )
 
 
 @dataclass
@@ -576,6 +583,10 @@ class ValidationConfig:
     validation_image_dir: str = field(default="", metadata=PATH)
     """Held-out images with captions (same layout as `image_dir`); their loss is logged with the
     stable loss."""
+
+    def __post_init__(self) -> None:
+        at_least(self, 0, "validation_steps", "validation_resolution")
+        at_least(self, 1, "validation_num_inference_steps")
 
 
 _HEX = re.compile(r"#[0-9a-fA-F]{6}")

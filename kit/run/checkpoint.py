@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kit.errors import KitError
+from kit.errors import KitError, disk_errno, disk_problem
 from kit.run.folder import RunDir, step_of
 
 MARKER = "COMPLETE"
@@ -147,15 +147,22 @@ def save_checkpoint(
         for name, folder in (folders or {}).items():
             shutil.move(str(folder), str(tmp / name))
         (tmp / MARKER).write_text(str(step))
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:
+        # torch and safetensors report a full disk as their own errors, not as an OSError.
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
+        if not isinstance(e, OSError) and disk_errno(e) is None:
+            raise
         previous = list_checkpoints(run_dir)
         kept = (
             f"the previous checkpoint {previous[-1]} is intact"
             if previous
             else "no earlier checkpoint exists"
         )
-        raise KitError(f"could not write the checkpoint of step {step} ({e}); {kept}") from None
+        why = disk_problem(e, tmp.parent) or str(e)
+        raise KitError(
+            f"could not write the checkpoint of step {step} ({why}); the partial one was "
+            f"removed; {kept}"
+        ) from None
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

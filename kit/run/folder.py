@@ -71,6 +71,16 @@ class RunDir:
     def archive(self) -> Path:
         return self.root / "archive.json"
 
+    @property
+    def lock(self) -> Path:
+        """The lock file held while a command works in the run (`kit.run.lock`)."""
+        return self.root / ".kit.lock"
+
+    @property
+    def error_log(self) -> Path:
+        """The full traceback of each command that failed in this run, newest last."""
+        return self.logs / "error.log"
+
     def checkpoint(self, step: int) -> Path:
         """Where the checkpoint of `step` lives."""
         return self.checkpoints / f"step-{step:06d}"

@@ -18,6 +18,7 @@ from kit.errors import KitError
 from kit.families import Family, get_family
 from kit.families import quantize as quant
 from kit.families.loading import load_base
+from kit.families.source import check_base
 from kit.io import write_text
 from kit.methods import get_method
 from kit.optim import make_optimizer, make_scheduler
@@ -52,6 +53,8 @@ def prepare(
     run = RunDir(Path(t.output_dir))
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)  # a pair that cannot be trained is refused here
+    # A base that is missing, gated or of another family: one line, before any scan or cache.
+    check_base(family, cfg.model.pretrained_model, cfg.model.revision)
     _refuse_deepspeed_with_several_models(method)
     _refuse_under_fsdp(cfg, method)
     accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -97,8 +99,22 @@ def truncate_metrics(run: RunDir, step: int) -> None:
     write_text(run.metrics, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+# What a run writes into each of its folders, by name: `--overwrite` removes these and nothing
+# else, so a folder of the user's own (a project's `validation/`) keeps every file of theirs.
+_KIT_NAMED = re.compile(r"step-\d+|\.step-\d+.*\.tmp|.+-scales")
+
+
+def _kit_entries(folder: Path) -> list[Path]:
+    """The entries of `folder` that a run wrote (checkpoints, grids), by the names it gives them."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _KIT_NAMED.fullmatch(p.name))
+
+
 def _old_run_files(run: RunDir) -> list[Path]:
-    return [p for p in (run.checkpoints, run.metrics, run.validation) if p.exists()]
+    """What an earlier run left in `run`: its checkpoints, metrics and validation grids."""
+    found = _kit_entries(run.checkpoints) + _kit_entries(run.validation)
+    return found + [p for p in (run.metrics,) if p.is_file()]
 
 
 def refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
@@ -106,14 +122,63 @@ def refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
     if not resume and not overwrite and _old_run_files(run):
         raise KitError(
             f"{run.root} already holds a run; resume it (--resume latest), "
-            "choose another output_dir, or pass --overwrite to replace it"
+            "choose another output_dir, or pass --overwrite to replace it (only the run's own "
+            "checkpoints, metrics and grids are removed)"
         )
 
 
 def clear_run(run: RunDir) -> None:
-    """Delete an earlier run's checkpoints, logs and images (only once the new run can start)."""
+    """Delete an earlier run's checkpoints, metrics and images (only once the new run can
+    start): only what a run writes, by its names; a folder is removed only once it is empty,
+    so nothing of the user's in it goes with them."""
     for p in _old_run_files(run):
         if p.is_dir():
             shutil.rmtree(p)
         else:
             p.unlink()
+    for folder in (run.checkpoints, run.validation):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_output_dir(cfg: Config) -> None:
+    """Refuse an output_dir a run must not write into: empty (the current folder), the current
+    folder itself, an existing file, or a folder inside one of the run's dataset folders (the
+    next scan would train on the run's own grids)."""
+    given = cfg.train.output_dir
+    if not given.strip():
+        raise KitError(
+            "output_dir: empty; set it to a folder of its own for the run (e.g. runs/my-lora)"
+        )
+    out = Path(given).expanduser().resolve()
+    if out == Path.cwd().resolve():
+        raise KitError(
+            f"output_dir: {given} is the current folder; a run writes checkpoints, logs and "
+            "grids into its folder: give it a folder of its own (e.g. runs/my-lora)"
+        )
+    if out.exists() and not out.is_dir():
+        raise KitError(f"output_dir: {given} is a file, not a folder; choose a folder for the run")
+    d = cfg.data
+    folders = {
+        "image_dir": d.image_dir,
+        "caption_dir": d.caption_dir,
+        "mask_dir": d.mask_dir,
+        "validation_image_dir": cfg.validation.validation_image_dir,
+    }
+    for i, ds in enumerate(d.datasets):
+        folders.update(
+            {
+                f"datasets[{i}].{k}": getattr(ds, k) or ""
+                for k in ("image_dir", "caption_dir", "mask_dir")
+            }
+        )
+    for key, folder in folders.items():
+        if folder and _inside(out, Path(folder).expanduser().resolve()):
+            raise KitError(
+                f"output_dir: {given} is inside {key} ({folder}); the run's grids would be "
+                "scanned as training images: put the run folder outside the dataset"
+            )
