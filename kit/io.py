@@ -55,6 +55,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # not mkdtemp's private 0700: as any folder made
     try:
         yield tmp
         if path.exists():
@@ -68,6 +69,13 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def current_umask() -> int:
+    """This process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def absolute_path(value: str, base_dir: str | Path) -> Path:

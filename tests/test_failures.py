@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -255,3 +256,49 @@ def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(capsys, mo
     monkeypatch.setenv("KIT_DEBUG", "1")
     with pytest.raises(ValueError):
         main(["families"])
+
+
+# ------------------------------------------------------------------ odd files in a dataset
+
+
+def test_fifo_and_unread_formats_are_skipped_by_name_never_opened(capsys, make_config, dataset):
+    import signal
+
+    from kit.config import load_config
+    from kit.data.scan import scan_folder
+
+    os.mkfifo(dataset / "stuck.png")  # opening it for reading would block forever
+    (dataset / "photo.gif").write_bytes(b"GIF89a")
+    (dataset / "scan.TIFF").write_bytes(b"II*\x00")
+    (dataset / "phone.heic").write_bytes(b"\x00")
+    cfg = make_config()
+    signal.alarm(120)  # a hang fails the test instead of the suite
+    try:
+        report = scan_folder(load_config(cfg).data, family=None)
+        rc = main(["buckets", str(cfg)])
+    finally:
+        signal.alarm(0)
+    assert rc == 0, capsys.readouterr().err
+    why = {p.name: w for p, w in report.skipped}
+    assert "not a regular file" in why["stuck.png"]
+    assert why["scan.TIFF"].startswith("a .tiff image: a format the kit does not read")
+    assert ".heic" in why["phone.heic"]
+    assert "photo.gif" not in why  # without a family a GIF may be a clip; an image family:
+    from kit.families import get_family
+
+    image_family = get_family("sd15")
+    report = scan_folder(load_config(cfg).data, family=image_family)
+    assert ".gif image" in {p.name: w for p, w in report.skipped}["photo.gif"]
+
+
+def test_folders_written_whole_follow_the_umask(tmp_path):
+    from kit.io import atomic_dir
+
+    old = os.umask(0o022)
+    try:
+        with atomic_dir(tmp_path / "out") as tmp:
+            (tmp / "a.txt").write_text("x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert (tmp_path / "out" / "a.txt").stat().st_mode & 0o777 == 0o644
