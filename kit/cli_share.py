@@ -110,4 +110,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--scale", type=float, help="adapter strength (default 1)")
     sp.add_argument("--format", dest="fmt", choices=["single_file", "diffusers"])
     sp.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default: fp16")
-    sp.set_defaults(func=cmd_share, keys=("out", "scale", "fmt", "dtype"))
+    sp.add_argument(
+        "--force", action="store_true", default=None, help="merge even if the base has changed"
+    )
+    sp.set_defaults(func=cmd_share, keys=("out", "scale", "fmt", "dtype", "force"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from kit.methods import get_method
 from kit.precision import DTYPES
 from kit.run import checkpoint as ckpt
 from kit.run.folder import open_run
+from kit.train.resume import base_change, base_record
 
 MERGE_FORMATS = ("single_file", "diffusers")
 
@@ -58,13 +60,16 @@ def merge(
     checkpoint: str | Path | None = None,
     dtype: str = "fp16",
     base: str | Path | None = None,
+    force: bool = False,
 ) -> MergeResult:
     """Merge a run's checkpoint (the latest by default; its EMA weights when it has them) into
     the base model at adapter strength `scale`, write it in `fmt` and verify it.
 
     `out` is the `.safetensors` file (or the folder to put it in) for `single_file`, the
     pipeline folder for `diffusers`. `base` merges into another copy of the architecture (a
-    fine-tune of the run's base); a base of another architecture is refused.
+    fine-tune of the run's base); a base of another architecture is refused. A run's own base
+    that is no longer the one it trained on (other weights or configs) is refused unless
+    `force`.
     """
     if fmt not in MERGE_FORMATS:
         raise KitError(f"unknown merge format '{fmt}' (choose from {', '.join(MERGE_FORMATS)})")
@@ -85,6 +90,17 @@ def merge(
     m = base_cfg.model
     refuse_inputs(out, fmt, run.root, [m.pretrained_model, m.model_config, m.vae_model, source])
     _, comps = load_base(base_cfg, family=family)
+    progress = json.loads((source / ckpt.PROGRESS_FILE).read_text())
+    changed = base_change(progress.get("base"), base_record(base_cfg, comps.identity))
+    if changed and base is None and not force:
+        raise KitError(
+            f"cannot merge {source}: {changed}; it was trained on another base (pass --force "
+            "to merge into this one anyway)"
+        )
+    if changed:
+        warnings.warn(
+            f"merging into another base than the one trained on ({changed})", stacklevel=2
+        )
     if fmt == "single_file":
         family.single_file_state_dict(comps)  # refuses here, before any work, without a layout
 

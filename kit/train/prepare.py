@@ -33,7 +33,7 @@ from kit.train.classes import draw_class_images, wanted
 from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss
 from kit.train.offload import block_swap, check_block_swap, place
-from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
+from kit.train.resume import check_resume, check_shape, clear_run, refuse_mixed_runs, restore
 from kit.train.state import Callback, TrainResult, TrainState
 from kit.train.step import check_compile, compile_denoiser
 
@@ -70,6 +70,7 @@ def prepare(
     check_compile(t.compile, t.blocks_to_swap, deepspeed_launch(), device)
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
+    check_shape(cfg, resume_from)  # another adapter's checkpoint: refused before any work
     refuse_mixed_runs(run, resume, overwrite)
     # Before any work on the CPU (class images, the cache): see kit.run.threads.
     cpu = threads.for_run(t.cpu_threads, resume_from)
@@ -150,7 +151,7 @@ def prepare(
         comps.vae.to(dtype=weight_dtype)
     report = _data_report(scanned, data)
     empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
-    check_resume(run, cfg, data, resume_from, force)
+    check_resume(run, cfg, data, resume_from, force, identity=comps.identity)
     if overwrite and not resume and accelerator.is_main_process:
         clear_run(run)
 

@@ -13,6 +13,8 @@ from typing import Any
 from kit.config import Config
 from kit.data.cache import CachedDataset
 from kit.errors import KitError
+from kit.families.identity import fingerprint as id_digest
+from kit.families.identity import public_name
 from kit.io import write_text
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
@@ -23,22 +25,91 @@ from kit.train.state import TrainState
 EXACTNESS_KEYS = ("train_batch_size", "gradient_accumulation_steps", "seed", "resolution")
 
 
-def fingerprint(cfg: Config, data: CachedDataset) -> dict[str, Any]:
-    """What a resume must find unchanged to continue exactly."""
-    return {
+# Settings that shape what a checkpoint holds: a resume with other values cannot load it.
+SHAPE_KEYS = (
+    "model_family",
+    "network_type",
+    "lora_rank",
+    "use_dora",
+    "lora_target_modules",
+    "train_text_encoder",
+    "text_encoder_target_modules",
+)
+
+
+def adapter_shape(cfg: Config) -> dict[str, Any]:
+    """The settings that decide the trained weights' names and shapes (those the config has)."""
+    out = {}
+    for k in SHAPE_KEYS:
+        with contextlib.suppress(KitError):
+            out[k] = cfg.get(k)
+    return out
+
+
+def base_record(cfg: Config, identity: dict[str, str]) -> dict[str, str]:
+    """The base a checkpoint was trained on: its public name and a digest of its parts' configs
+    and files (no local path)."""
+    return {"name": public_name(cfg.model.pretrained_model), "digest": id_digest(identity)}
+
+
+def fingerprint(
+    cfg: Config, data: CachedDataset, identity: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """What a resume must find unchanged to continue exactly: the settings, the images, the
+    adapter's shape and (given the loaded base's `identity`) the base model."""
+    out = {
         "settings": {k: cfg.get(k) for k in EXACTNESS_KEYS},
         "dataset": sorted(data.digests),
+        "adapter": adapter_shape(cfg),
     }
+    if identity is not None:
+        out["base"] = base_record(cfg, identity)
+    return out
+
+
+def check_shape(cfg: Config, resume_from: Path | None) -> None:
+    """Refuse, before anything loads, a resume whose checkpoint holds another adapter (family,
+    network, rank, targets): its weights would not fit (`--force` cannot help)."""
+    if resume_from is None:
+        return
+    try:
+        saved = json.loads((resume_from / ckpt.PROGRESS_FILE).read_text()).get("adapter", {})
+    except (OSError, ValueError):
+        return  # read again (and refused by name) when the checkpoint loads
+    now = adapter_shape(cfg)
+    changed = [f"{k}: {v!r} → {now[k]!r}" for k, v in saved.items() if k in now and now[k] != v]
+    if changed:
+        raise KitError(
+            f"cannot resume {resume_from}: it holds another adapter than this config trains ("
+            + "; ".join(changed)
+            + "); set them back to resume, or start a new run in another output_dir"
+        )
+
+
+def base_change(saved: dict[str, Any] | None, now: dict[str, str]) -> str:
+    """How the base differs from the one a checkpoint was trained on ("" when the same)."""
+    if not saved or saved.get("digest") == now["digest"]:
+        return ""
+    if saved.get("name") != now["name"]:
+        return f"base model: {saved.get('name')} → {now['name']}"
+    return f"base model: {now['name']} holds other weights or configs than when it was saved"
 
 
 def check_resume(
-    run: RunDir, cfg: Config, data: CachedDataset, resume_from: Path | None, force: bool
+    run: RunDir,
+    cfg: Config,
+    data: CachedDataset,
+    resume_from: Path | None,
+    force: bool,
+    identity: dict[str, str] | None = None,
 ) -> None:
-    """Refuse (or, with `force`, warn about) a resume whose settings or images have changed."""
+    """Refuse (or, with `force`, warn about) a resume whose settings, images or base model
+    have changed."""
     if resume_from is None:
         return
+    check_shape(cfg, resume_from)
     saved = json.loads((resume_from / "progress.json").read_text())
-    now = fingerprint(cfg, data)
+    now = fingerprint(cfg, data, identity)
     changes = [
         f"{k}: {saved['settings'].get(k)!r} → {v!r}"
         for k, v in now["settings"].items()
@@ -49,6 +120,8 @@ def check_resume(
         changes.append(
             f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed"
         )
+    if "base" in now and base_change(saved.get("base"), now["base"]):
+        changes.append(base_change(saved.get("base"), now["base"]))
     if changes and not force:
         raise KitError(
             f"cannot resume {resume_from} exactly; changed since it was saved: "
