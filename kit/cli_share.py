@@ -48,6 +48,8 @@ def _export_each(args: argparse.Namespace, formats: list[str]) -> int:
             continue
         v = r.verification
         print(f"{fmt}: {r.path} (step {r.step}; {v.describe() if v else 'not verified'})")
+        if v and v.use_in:
+            print(f"  for: {'; '.join(v.use_in)}")
         for note in v.notes if v else []:
             print(f"  note: {note}")
     return 2 if failed else 0

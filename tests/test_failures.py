@@ -302,3 +302,39 @@ def test_folders_written_whole_follow_the_umask(tmp_path):
         os.umask(old)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
     assert (tmp_path / "out" / "a.txt").stat().st_mode & 0o777 == 0o644
+
+
+# ------------------------------------------------------------------ exports
+
+
+def test_exports_say_their_clients_and_a_failed_one_is_moved_aside(
+    capsys, make_config, tmp_path, monkeypatch
+):
+    from kit.export import writer
+
+    cfg = make_config(max_train_steps=2, checkpointing_steps=0)
+    assert main(["train", str(cfg)]) == 0
+    run = RunDir(tmp_path / "run")
+    capsys.readouterr()
+    monkeypatch.setattr(
+        writer, "verify_export", lambda *a, **k: writer.Verification(1, 0, 0.0, True)
+    )
+    assert main(["export", str(run.root), "--format", "diffusers"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "for: diffusers (pipe.load_lora_weights); ComfyUI, A1111 and Forge: use the kohya file"
+        in out
+    )
+    record = json.loads(next((run.exports / "diffusers").glob("*.verify.json")).read_text())
+    assert record["use_in"][0].startswith("diffusers")
+
+    monkeypatch.setattr(
+        writer, "verify_export", lambda *a, **k: writer.Verification(1, 90, 9.0, False)
+    )
+    assert main(["export", str(run.root), "--format", "diffusers"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("diffusers: failed: ") and err.count("\n") == 1
+    assert "not trustworthy: moved to" in err and "rejected" in err
+    assert not list((run.exports / "diffusers").glob("*.safetensors"))  # not where users look
+    rejected = run.rejected_exports / "diffusers"
+    assert list(rejected.glob("*.safetensors")) and list(rejected.glob("*.verify.json"))

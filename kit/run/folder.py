@@ -55,6 +55,11 @@ class RunDir:
         return self.root / "exports"
 
     @property
+    def rejected_exports(self) -> Path:
+        """Exports that failed their check, kept (with the reason) away from `exports/<fmt>`."""
+        return self.exports / "rejected"
+
+    @property
     def loss_plot(self) -> Path:
         return self.root / "loss.png"
 
