@@ -235,6 +235,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from kit.run.folder import open_run
 
     run = open_run(args.run_dir)
+    if not (run.manifest.is_file() or run.metrics.is_file() or run.checkpoints.is_dir()):
+        raise KitError(
+            f"not a run folder: {args.run_dir} has a {run.config.name} but nothing a run writes "
+            f"({run.manifest.name}, logs, checkpoints); give the folder `kit train` wrote"
+        )
     findings = diagnose(run.root)
     write_report(run.root)
     if args.json:

@@ -155,6 +155,21 @@ def test_output_dir_empty_current_file_or_inside_the_dataset(
     assert snapshot(dataset) == before and not (dataset / "runs").exists()
 
 
+def test_a_users_config_json_in_output_dir_and_doctor_on_a_dataset(
+    capsys, make_config, tmp_path, dataset
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    cfg = make_config("project/config.json", output_dir=str(project))
+    before = cfg.read_bytes()
+    err = refused(capsys, "train", cfg)
+    assert "holds a config.json that no run wrote" in err and cfg.read_bytes() == before
+    (dataset / "config.json").write_text("{}")
+    snap = snapshot(dataset)
+    err = refused(capsys, "doctor", dataset)
+    assert "not a run folder" in err and snapshot(dataset) == snap
+
+
 def test_overwrite_removes_only_what_a_run_wrote(capsys, make_config, tmp_path):
     project = tmp_path / "project"
     mine = project / "validation" / "my-photo.png"

@@ -235,6 +235,13 @@ def check_output_dir(cfg: Config) -> None:
         )
     if out.exists() and not out.is_dir():
         raise KitError(f"output_dir: {given} is a file, not a folder; choose a folder for the run")
+    run = RunDir(out)
+    if run.config.is_file() and not run.manifest.is_file():
+        raise KitError(
+            f"output_dir: {given} holds a {run.config.name} that no run wrote (no "
+            f"{run.manifest.name} beside it); the run would replace it: give the run a folder "
+            "of its own (e.g. runs/my-lora)"
+        )
     d = cfg.data
     folders = {
         "image_dir": d.image_dir,
