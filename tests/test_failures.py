@@ -186,6 +186,7 @@ def test_overwrite_removes_only_what_a_run_wrote(capsys, make_config, tmp_path):
     assert run.checkpoint(2).is_dir() and run.validation_step(2).is_dir()
     err = refused(capsys, "train", cfg)
     assert "already holds a run" in err and "--overwrite" in err
+    assert "already holds a run" in run.error_log.read_text()  # the traceback, in the run's log
     assert main(["train", str(cfg), "--overwrite"]) == 0
     assert mine.read_bytes() == b"my own picture" and notes.read_text() == "my notes"
     assert run.checkpoint(2).is_dir()  # the new run's
