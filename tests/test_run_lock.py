@@ -94,6 +94,7 @@ def test_kit_train_and_export_refused_while_a_run_trains(capsys, make_config, ho
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.json").write_text("{}")
+    (run / "dataset_manifest.json").write_text("[]")
     before = sorted(p.name for p in run.iterdir())
     p = holder(run)
     for argv in (
