@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 from kit import cli_data, cli_share
 from kit.cli_data import config_of as _config
 from kit.cli_data import print_json as _print_json
-from kit.errors import KitError
+from kit.errors import KitError, explain
 
 
 def cmd_env(args: argparse.Namespace) -> int:
@@ -287,6 +289,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from kit.run.folder import open_run
 
     run = open_run(args.run_dir)
+    if not (run.manifest.is_file() or run.metrics.is_file() or run.checkpoints.is_dir()):
+        raise KitError(
+            f"not a run folder: {args.run_dir} has a {run.config.name} but nothing a run writes "
+            f"({run.manifest.name}, logs, checkpoints); give the folder `kit train` wrote"
+        )
     findings = diagnose(run.root)
     write_report(run.root)
     if args.json:
@@ -514,8 +521,15 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `kit` command."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `kit` command.
+
+    A failure is one line on stderr: a KitError as it is worded, a known library failure (a
+    full disk, a file that is not UTF-8) explained, any other named by its type and first
+    line. `--debug` (anywhere on the line) or `KIT_DEBUG=1` shows the full traceback; a
+    command working in a run folder also appends it to the run's `logs/error.log`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("KIT_DEBUG", "") not in ("", "0")
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
     from kit.logs import quiet_libraries
 
     quiet_libraries()
@@ -524,11 +538,27 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.func(args)
         except KitError as e:
+            if debug:
+                traceback.print_exc()
             print(f"kit: error: {e}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("kit: interrupted", file=sys.stderr)
             return 130
+        except Exception as e:
+            if debug:
+                raise
+            line = explain(e)
+            if line:
+                print(f"kit: error: {line}", file=sys.stderr)
+                return 2
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            print(
+                f"kit: error: unexpected {type(e).__name__}: {first} (the full traceback: run "
+                "again with --debug or KIT_DEBUG=1; a run's own is in its logs/error.log)",
+                file=sys.stderr,
+            )
+            return 1
 
 
 def run() -> None:

@@ -14,14 +14,22 @@ from kit.errors import KitError
 
 def cmd_export(args: argparse.Namespace) -> int:
     from kit.config import load_config
-    from kit.export.writer import export, formats_for
+    from kit.export.writer import formats_for
     from kit.families import get_family
     from kit.run.folder import open_run
+    from kit.run.lock import hold_run
 
     formats = args.format
     if not formats:
         cfg = load_config(open_run(args.run_dir).config)
         formats = formats_for(cfg, get_family(cfg.model.model_family, cfg))
+    with hold_run(open_run(args.run_dir).root, "export"):  # not while the run trains
+        return _export_each(args, formats)
+
+
+def _export_each(args: argparse.Namespace, formats: list[str]) -> int:
+    from kit.export.writer import export
+
     failed = []
     # Each format is written and checked on its own: one that fails does not keep the next
     # from being written.
@@ -41,6 +49,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         v = r.verification
         paths = ", ".join(f"{p} ({part})" for part, p in r.files.items()) or r.path
         print(f"{fmt}: {paths} (step {r.step}; {v.describe() if v else 'not verified'})")
+        if v and v.use_in:
+            print(f"  for: {'; '.join(v.use_in)}")
         for note in v.notes if v else []:
             print(f"  note: {note}")
     return 2 if failed else 0
@@ -50,9 +60,16 @@ def cmd_share(args: argparse.Namespace) -> int:
     """`kit resize`, `push`, `merge`: call the `kit.export` function with the options listed in
     `keys` (one not given keeps the function's default); print the result."""
     from kit.export import merge, push, resize
+    from kit.run.folder import open_run
+    from kit.run.lock import hold_run
 
     work = {"resize": resize.resize, "push": push.push, "merge": merge.merge}[args.command]
-    r = work(args.run_dir, **{k: v for k in args.keys if (v := getattr(args, k)) is not None})
+    kw = {k: v for k in args.keys if (v := getattr(args, k)) is not None}
+    if args.command == "push":
+        r = work(args.run_dir, **kw)
+    else:  # they read the run's checkpoints: not while it trains
+        with hold_run(open_run(args.run_dir).root, args.command):
+            r = work(args.run_dir, **kw)
     if hasattr(r, "lines"):
         print("\n".join(r.lines()))
     else:
@@ -96,4 +113,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--scale", type=float, help="adapter strength (default 1)")
     sp.add_argument("--format", dest="fmt", choices=["single_file", "diffusers"])
     sp.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], help="default: fp16")
-    sp.set_defaults(func=cmd_share, keys=("out", "scale", "fmt", "dtype"))
+    sp.add_argument(
+        "--force", action="store_true", default=None, help="merge even if the base has changed"
+    )
+    sp.set_defaults(func=cmd_share, keys=("out", "scale", "fmt", "dtype", "force"))

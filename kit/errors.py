@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import errno
+import os
+import shutil
+from pathlib import Path
 
 
 class KitError(Exception):
@@ -17,7 +21,80 @@ class DataError(KitError):
     """A dataset folder, image or caption that cannot be used."""
 
 
+def at_least(section: object, minimum: int, *names: str) -> None:
+    """Refuse a config field (step count, interval) below `minimum`, naming it: a negative
+    interval is no schedule, and must not be read as "every step"."""
+    for name in names:
+        if getattr(section, name) < minimum:
+            raise ConfigError(f"{name}: {getattr(section, name)} must be at least {minimum}")
+
+
 def did_you_mean(word: str, choices: list[str]) -> str:
     """`; did you mean 'x'?` naming the closest of `choices`, or nothing when none is close."""
     close = difflib.get_close_matches(word, choices, n=1)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+# What the libraries we call say when a disk is full or a folder cannot be written: an OSError's
+# errno, or (torch, safetensors) only the words of the operating system in their message.
+_DISK = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+_DISK_WORDS = {
+    "no space left on device": errno.ENOSPC,
+    "os error 28": errno.ENOSPC,
+    "file write failed": errno.ENOSPC,
+    "disk quota exceeded": errno.EDQUOT,
+    "read-only file system": errno.EROFS,
+    "os error 30": errno.EROFS,
+    "permission denied": errno.EACCES,
+    "os error 13": errno.EACCES,
+}
+
+
+def disk_errno(e: BaseException) -> int | None:
+    """The errno of a disk-full, quota, read-only or permission failure, else None."""
+    if isinstance(e, OSError) and e.errno in _DISK:
+        return e.errno
+    text = str(e).lower()
+    return next((code for words, code in _DISK_WORDS.items() if words in text), None)
+
+
+def disk_problem(e: BaseException, folder: str | os.PathLike | None = None) -> str | None:
+    """One line for a write that failed for lack of space or permission, naming the folder and
+    the space left there; None for any other failure."""
+    code = disk_errno(e)
+    if code is None:
+        return None
+    where = getattr(e, "filename", None) or folder
+    place = Path(where).parent if where and not Path(where).is_dir() else where
+    free = ""
+    if place:
+        probe = Path(place)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            free = f" ({shutil.disk_usage(probe).free / 2**30:.2f} GiB free there)"
+        except OSError:
+            free = ""
+    fix = {
+        errno.ENOSPC: "free some space or choose a folder on another disk",
+        errno.EDQUOT: "free some space or choose a folder on another disk",
+        errno.EROFS: "choose a writable folder",
+    }.get(code, "choose a folder you can write, or fix its permissions")
+    return f"cannot write {place or 'a file'}: {_DISK[code]}{free}; {fix}"
+
+
+def explain(e: BaseException) -> str | None:
+    """One line for a failure of a library the kit calls that has a known cause and fix (a full
+    or read-only disk, a file that is not UTF-8), else None."""
+    disk = disk_problem(e)
+    if disk:
+        return disk
+    if isinstance(e, UnicodeDecodeError):
+        return f"a file is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"
+    return None

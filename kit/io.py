@@ -55,6 +55,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # not mkdtemp's private 0700: as any folder made
     try:
         yield tmp
         if path.exists():
@@ -70,6 +71,13 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def current_umask() -> int:
+    """This process's umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def absolute_path(value: str, base_dir: str | Path) -> Path:
     """`value` as a path (`~` expanded), taken from `base_dir` when it is relative."""
     p = Path(value).expanduser()
@@ -81,7 +89,14 @@ def read_json_or_yaml(path: Path) -> Any:
     every problem is a ConfigError that names the file."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at line {line}); save the "
+            "file as UTF-8"
+        ) from None
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml
@@ -91,6 +106,8 @@ def read_json_or_yaml(path: Path) -> Any:
             return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
@@ -114,7 +131,18 @@ def _yaml_loader() -> type:
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            # A key written twice is refused, as in JSON: YAML would keep the last silently.
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise ConfigError(
+                        f"config key '{key}' is given twice (lines {seen[key]} and "
+                        f"{key_node.start_mark.line + 1})"
+                    )
+                seen[key] = key_node.start_mark.line + 1
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",

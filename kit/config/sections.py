@@ -11,7 +11,7 @@ from typing import Literal
 from PIL import ImageColor
 
 from kit.config.preservation import PreservationConfig, SliderConfig
-from kit.errors import ConfigError
+from kit.errors import ConfigError, at_least
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
 
@@ -534,6 +534,13 @@ class TrainConfig:
                 f"lr_scheduler: {self.lr_scheduler} with optimizer schedulefree, which averages "
                 "its weights in place of a schedule: use constant (it warms up lr_warmup_steps)"
             )
+        at_least(self, 0, "checkpointing_steps", "checkpoints_total_limit", "stable_loss_steps")
+        at_least(self, 0, "lr_warmup_steps", "blocks_to_swap")
+        at_least(self, 1, "logging_steps")
+        if not self.output_dir.strip():
+            raise ConfigError(
+                "output_dir: empty; set it to a folder of its own for the run (e.g. runs/my-lora)"
+            )
 
 
 @dataclass
@@ -562,6 +569,12 @@ class ValidationConfig:
     validation_image_dir: str = field(default="", metadata=PATH)
     """Held-out images with captions (same layout as `image_dir`); their loss is logged with the
     stable loss."""
+
+    def __post_init__(self) -> None:
+        # 0 means the end only, `resolution`, and the family's steps.
+        at_least(
+            self, 0, "validation_steps", "validation_resolution", "validation_num_inference_steps"
+        )
 
 
 _HEX = re.compile(r"#[0-9a-fA-F]{6}")

@@ -180,6 +180,7 @@ class _Tree:
     """The regular files (or links to them) with a video extension."""
     stills: dict[str, list[os.DirEntry[str]]]
     """For each folder entered, its entries with a still-image extension (for frame folders)."""
+    special: list[str] = field(default_factory=list)  # no regular file: never opened
 
     def path(self, rel: str) -> Path:
         return Path(self.prefix + rel)
@@ -201,6 +202,7 @@ def _walk(root: Path) -> _Tree:
     images: list[str] = []
     videos: list[str] = []
     stills: dict[str, list[os.DirEntry[str]]] = {}
+    special: list[str] = []
     seen = {os.path.realpath(root)}
     stack = [("", next(iter(seen)))]  # (folder relative to root, its resolved path)
     while stack:
@@ -228,7 +230,9 @@ def _walk(root: Path) -> _Tree:
             files.append(head + name)
             dot = name.rfind(".")  # the suffix as Path gives it, for a name that is not hidden
             ext = name[dot:].lower() if dot > 0 else ""
-            if ext in IMAGE_EXTS:
+            if ext in IMAGE_EXTS and not _is_file(entry):  # a FIFO would block its reader
+                special.append(head + name)
+            elif ext in IMAGE_EXTS:
                 images.append(head + name)
                 mine.append(entry)
             elif ext in video.VIDEO_EXTS and _is_file(entry):
@@ -247,7 +251,7 @@ def _walk(root: Path) -> _Tree:
         stack += reversed(kept)
     for found in (files, dirs, loops, images, videos):
         found.sort(key=_order)
-    return _Tree(prefix, files, dirs, loops, images, videos, stills)
+    return _Tree(prefix, files, dirs, loops, images, videos, stills, special)
 
 
 def _resolved(entry: os.DirEntry[str], parent: str) -> str:
@@ -418,6 +422,10 @@ def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:
     report.skipped += [
         (tree.path(p), "folder link back into the dataset: not read twice") for p in tree.loops
     ]
+    odd = "not a regular file (a FIFO, socket, device or broken link): never opened"
+    report.skipped += [(tree.path(p), odd) for p in tree.special]
+    video_kind = family is None or family.video
+    report.skipped += [(tree.path(p), w) for p in tree.files if (w := video.unread(p, video_kind))]
     clips: list[str] = []
     folders: dict[str, list[str]] = {}  # the frame folders read as clips, with their frames
     if family is None or family.video:

@@ -25,6 +25,18 @@ FRAME_EXTS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
 """Still-image formats: a dataset's images, and the frames a frame folder may hold."""
 VIDEO_EXTS = frozenset({".mp4", ".webm", ".mov", ".mkv", ".gif"})
 """Video files read as clips (all but GIF through imageio's ffmpeg plugin)."""
+UNREAD_EXTS = frozenset({".gif", ".tif", ".tiff", ".heic", ".heif", ".avif", ".jxl", ".jp2"})
+"""Image formats the kit does not read (GIF: only as a video family's clip): skipped, named."""
+
+
+def unread(name: str, video_family: bool) -> str:
+    """Why a file of a format the kit does not read is skipped ("" for any other file)."""
+    ext = name[name.rfind(".") :].lower() if "." in name else ""
+    if ext not in UNREAD_EXTS or (video_family and ext in VIDEO_EXTS):
+        return ""
+    return f"a {ext} image: a format the kit does not read; convert it to PNG, JPEG or WebP"
+
+
 FRAME_STARTS = ("first", "center", "random")
 FRAME_SAMPLINGS = ("head", "uniform", "chunk", "slide")
 

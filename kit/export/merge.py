@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from kit.methods import get_method
 from kit.precision import DTYPES
 from kit.run import checkpoint as ckpt
 from kit.run.folder import open_run
+from kit.train.resume import base_change, base_record
 
 MERGE_FORMATS = ("single_file", "diffusers")
 
@@ -58,13 +60,16 @@ def merge(
     checkpoint: str | Path | None = None,
     dtype: str = "fp16",
     base: str | Path | None = None,
+    force: bool = False,
 ) -> MergeResult:
     """Merge a run's checkpoint (the latest by default; its EMA weights when it has them) into
     the base model at adapter strength `scale`, write it in `fmt` and verify it.
 
     `out` is the `.safetensors` file (or the folder to put it in) for `single_file`, the
     pipeline folder for `diffusers`. `base` merges into another copy of the architecture (a
-    fine-tune of the run's base); a base of another architecture is refused.
+    fine-tune of the run's base); a base of another architecture is refused. A run's own base
+    that is no longer the one it trained on (other weights or configs) is refused unless
+    `force`.
     """
     if fmt not in MERGE_FORMATS:
         raise KitError(f"unknown merge format '{fmt}' (choose from {', '.join(MERGE_FORMATS)})")
@@ -79,7 +84,23 @@ def merge(
         raise KitError(f"{run.root} has no complete checkpoint to merge")
     step = int(json.loads((source / ckpt.PROGRESS_FILE).read_text())["step"])
     base_cfg = cfg if base is None else with_base(cfg, family, str(base))
+    out = Path(out)
+    if fmt == "single_file" and out.suffix != ".safetensors":
+        out = out / f"{_title(cfg)}-step{step}.safetensors"
+    m = base_cfg.model
+    refuse_inputs(out, fmt, run.root, [m.pretrained_model, m.model_config, m.vae_model, source])
     _, comps = load_base(base_cfg, family=family)
+    progress = json.loads((source / ckpt.PROGRESS_FILE).read_text())
+    changed = base_change(progress.get("base"), base_record(base_cfg, comps.identity))
+    if changed and base is None and not force:
+        raise KitError(
+            f"cannot merge {source}: {changed}; it was trained on another base (pass --force "
+            "to merge into this one anyway)"
+        )
+    if changed:
+        warnings.warn(
+            f"merging into another base than the one trained on ({changed})", stacklevel=2
+        )
     if fmt == "single_file":
         family.single_file_state_dict(comps)  # refuses here, before any work, without a layout
 
@@ -103,18 +124,14 @@ def merge(
     # A single-file base is read back with its configs from `model_config`.
     config_source = family.model_source(base_cfg.model.pretrained_model)
     record = merge_record(cfg, family, step, scale, dtype, base_cfg.model.pretrained_model)
-    out = Path(out)
+    path = out
     if fmt == "single_file":
-        path = (
-            out if out.suffix == ".safetensors" else out / f"{_title(cfg)}-step{step}.safetensors"
-        )
         state = family.single_file_state_dict(comps)
         meta = {**model_spec(cfg, family), **record}
         write_with(path, lambda tmp: save_file(state, str(tmp), metadata=meta))
         del state
         reloaded = family.single_file_pipeline(path, config_source)
     else:
-        path = out
         with atomic_dir(path) as tmp:
             family.pipeline(comps).save_pretrained(tmp, safe_serialization=True)
             write_json(tmp / "kit_merge.json", record)
@@ -135,6 +152,51 @@ def merge(
         raise
     merged = modules or list(summary.modules)
     return MergeResult(path, fmt, step, merged, diff, rounding)
+
+
+def refuse_inputs(path: Path, fmt: str, run_root: Path, inputs: list[Any]) -> None:
+    """Refuse a merge output that would overwrite or hold what the merge reads (the base
+    model, its configs, the VAE, the run or its checkpoint), or a file or folder the kit did
+    not write: a merged checkpoint never replaces anything of the user's."""
+    where = path.expanduser().resolve()
+    run = run_root.resolve()
+    for given in inputs:
+        if not given or not Path(str(given)).expanduser().exists():
+            continue  # a hub id, or nothing configured
+        src = Path(str(given)).expanduser().resolve()
+        if where == src or src in where.parents or where in src.parents:
+            raise KitError(
+                f"--out {path}: it is or holds {given}, which the merge reads; write the merged "
+                "model to a new file or folder of its own"
+            )
+    if run == where or where in run.parents:
+        raise KitError(f"--out {path} holds the run folder {run_root}; choose a new path")
+    if fmt == "single_file" and where.is_file() and "kit.steps" not in _metadata(where):
+        raise KitError(
+            f"--out {path} already exists and is not a checkpoint the kit merged; choose a new "
+            "file name (nothing was written)"
+        )
+    if fmt == "single_file" and where.is_dir():
+        raise KitError(f"--out {path} is a folder; give a .safetensors file name")
+    if fmt == "diffusers" and where.exists():
+        if not where.is_dir() or (
+            any(where.iterdir()) and not (where / "kit_merge.json").is_file()
+        ):
+            raise KitError(
+                f"--out {path} already exists and is not a model the kit merged; choose a new "
+                "folder (nothing was written)"
+            )
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    """A safetensors file's metadata ({} for a file that is not one)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except Exception:  # noqa: BLE001 (any file that cannot be read as one holds no record)
+        return {}
 
 
 def with_base(cfg: Config, family: Family, base: str) -> Config:

@@ -7,6 +7,8 @@ converts the dtype, and verifies the result against the kit's own validation ima
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,9 @@ class Verification:
     """How each client that reads the file loads it (`kit.export.conformance`)."""
     notes: list[str] = field(default_factory=list)
     """What a user should know: clients that cannot represent the result, checks not run."""
+    use_in: list[str] = field(default_factory=list)
+    """The clients this file is for (those whose loading rules it passed), and where to look
+    for the others."""
 
     def describe(self) -> str:
         """One line for the console."""
@@ -150,11 +155,13 @@ def export(
                 for c in checks
                 if c.known_gap or c.skipped
             ]
-        for file, _ in written.values():
-            write_json(
-                Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json")),
-                verification.__dict__,
-            )
+        verification.use_in = use_in(fmt, verification, method.export_formats())
+        reports = [
+            Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json"))
+            for file, _ in written.values()
+        ]
+        for report in reports:
+            write_json(report, verification.__dict__)
         if not verification.passed:
             failing = [c for c in verification.clients if not c["passed"]]
             what = (
@@ -164,7 +171,13 @@ def export(
                 else f"{path} does not reproduce the kit's images (max pixel difference "
                 f"{verification.max_abs_diff} > {tolerance})"
             )
-            raise KitError(f"{what}; the export is not trustworthy")
+            moved = [
+                reject(run, fmt, file, report)
+                for (file, _), report in zip(written.values(), reports, strict=True)
+            ]
+            raise KitError(
+                f"{what}; the export is not trustworthy: moved to {', '.join(map(str, moved))}"
+            )
     return ExportResult(fmt, path, step, verification, files)
 
 
@@ -177,6 +190,32 @@ def _apply_all(applies: list[tuple[Apply, Path]]) -> Apply:
         return pipe
 
     return apply
+
+
+def use_in(fmt: str, v: Verification, formats: tuple[str, ...]) -> list[str]:
+    """Which clients a file of `fmt` is for, as the console, verify.json and the card say:
+    the clients whose rules it passed (kohya), diffusers for its own format, and the kohya
+    file pointed to for the clients that read none of a diffusers file's names."""
+    if fmt == "kohya":
+        return [c["client"] for c in v.clients if c["passed"]] or ["no client checked"]
+    if fmt == "diffusers":
+        rest = ["ComfyUI, A1111 and Forge: use the kohya file"] if "kohya" in formats else []
+        return ["diffusers (pipe.load_lora_weights)", *rest]
+    return [f"{fmt} clients"]
+
+
+def reject(run: RunDir, fmt: str, path: Path, report: Path) -> Path:
+    """Move an export that failed its check (and its verify.json) out of the folder users take
+    files from, to `exports/rejected/<fmt>/`; return where it went."""
+    where = run.rejected_exports / fmt
+    where.mkdir(parents=True, exist_ok=True)
+    for f in (path, report):
+        if f.exists():
+            target = where / f.name
+            if target.is_dir():
+                shutil.rmtree(target)
+            os.replace(f, target)
+    return where / path.name
 
 
 def _failure(check: dict[str, Any]) -> str:

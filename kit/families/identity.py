@@ -215,8 +215,12 @@ class Checkpoint:
 
                 self._tensors = load_single_file_checkpoint(path, local_files_only=True)
                 self.keys = list(self._tensors)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise KitError(f"{purpose}: cannot read {path} as a checkpoint: {e}") from None
+        except Exception as e:  # noqa: BLE001 (safetensors' own error is no OSError)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise KitError(
+                f"{purpose}: cannot read {path} as a checkpoint ({first}); the file is damaged "
+                "or cut short: copy or download it again"
+            ) from None
 
     def has(self, markers: Iterable[str]) -> bool:
         """Whether some key ends with each of `markers`."""

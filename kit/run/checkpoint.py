@@ -11,13 +11,14 @@ import json
 import random
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from kit.errors import KitError
+from kit.errors import KitError, disk_errno, disk_problem
 from kit.run.folder import RunDir, step_of
 
 MARKER = "COMPLETE"
@@ -80,11 +81,50 @@ def resolve_resume(run_dir: Path, resume: str) -> Path | None:
     """`latest` → newest complete checkpoint (or None); else the named folder, which must be complete."""
     if resume == "latest":
         found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        for newer, path in zip([None, *found[::-1]], found[::-1], strict=False):
+            why = damaged(path)
+            if not why:
+                if newer is not None:
+                    warnings.warn(
+                        f"using {path}, the newest checkpoint that reads back whole",
+                        stacklevel=2,
+                    )
+                return path
+            warnings.warn(
+                f"checkpoint {path} is damaged ({why}); falling back to the one before it",
+                stacklevel=2,
+            )
+        return None
     path = Path(resume)
     if not (path / MARKER).is_file():
         raise KitError(f"not a complete checkpoint: {path} (no {MARKER} marker)")
     return path
+
+
+def damaged(path: Path) -> str:
+    """Why a complete checkpoint's files cannot all be read back ("" when they can): a weight
+    file whose header does not parse or that is shorter than it says, a `.pt` archive cut
+    short, a progress file that is not JSON. Cheap: headers and sizes, never the tensors."""
+    for f in sorted(path.iterdir()):
+        try:
+            if f.suffix == ".safetensors":
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(n))
+                ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+                if f.stat().st_size < 8 + n + max(ends, default=0):
+                    return f"{f.name} is cut short"
+            elif f.suffix == ".pt":
+                with zipfile.ZipFile(f) as z:
+                    if any(
+                        i.header_offset + i.compress_size > f.stat().st_size for i in z.infolist()
+                    ):
+                        return f"{f.name} is cut short"
+            elif f.name == PROGRESS_FILE:
+                json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile):
+            return f"{f.name} does not read"
+    return ""
 
 
 def rng_state(generator: torch.Generator) -> dict[str, Any]:
@@ -147,15 +187,22 @@ def save_checkpoint(
         for name, folder in (folders or {}).items():
             shutil.move(str(folder), str(tmp / name))
         (tmp / MARKER).write_text(str(step))
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:
+        # torch and safetensors report a full disk as their own errors, not as an OSError.
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
+        if not isinstance(e, OSError) and disk_errno(e) is None:
+            raise
         previous = list_checkpoints(run_dir)
         kept = (
             f"the previous checkpoint {previous[-1]} is intact"
             if previous
             else "no earlier checkpoint exists"
         )
-        raise KitError(f"could not write the checkpoint of step {step} ({e}); {kept}") from None
+        why = disk_problem(e, tmp.parent) or str(e)
+        raise KitError(
+            f"could not write the checkpoint of step {step} ({why}); the partial one was "
+            f"removed; {kept}"
+        ) from None
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
@@ -172,6 +219,17 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     `SHARDED_DIR` or `FSDP_DIR`, split by process, and only that launch reads it back
     (`sharded_by`).
     """
+    try:
+        return _load(path)
+    except Exception as e:  # noqa: BLE001 (a damaged file, whichever library reads it)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise KitError(
+            f"checkpoint {path} does not read back ({first}); resume from an earlier one "
+            "(--resume <its folder>)"
+        ) from None
+
+
+def _load(path: Path) -> dict[str, Any]:
     optimizer = path / OPTIMIZER_FILE
     return {
         "adapter": load_file(str(path / ADAPTER_FILE)),

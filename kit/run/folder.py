@@ -55,6 +55,11 @@ class RunDir:
         return self.root / "exports"
 
     @property
+    def rejected_exports(self) -> Path:
+        """Exports that failed their check, kept (with the reason) away from `exports/<fmt>`."""
+        return self.exports / "rejected"
+
+    @property
     def loss_plot(self) -> Path:
         return self.root / "loss.png"
 
@@ -70,6 +75,16 @@ class RunDir:
     @property
     def archive(self) -> Path:
         return self.root / "archive.json"
+
+    @property
+    def lock(self) -> Path:
+        """The lock file held while a command works in the run (`kit.run.lock`)."""
+        return self.root / ".kit.lock"
+
+    @property
+    def error_log(self) -> Path:
+        """The full traceback of each command that failed in this run, newest last."""
+        return self.logs / "error.log"
 
     def checkpoint(self, step: int) -> Path:
         """Where the checkpoint of `step` lives."""

@@ -22,6 +22,7 @@ from kit.optim import eval_weights, final_weights
 from kit.report.archive import write_archive
 from kit.report.doctor import write_report
 from kit.report.plots import plot_metrics
+from kit.run.lock import hold_run, lead_process
 from kit.train.accel import is_fsdp
 from kit.train.evaluate import fixed_losses, validate
 from kit.train.log import (
@@ -35,6 +36,7 @@ from kit.train.log import (
 )
 from kit.train.prefetch import Prefetcher
 from kit.train.prepare import prepare
+from kit.train.resume import check_output_dir
 from kit.train.save import per_process, save, trained_weights
 from kit.train.state import Callback, StopTraining, TrainResult, TrainState
 from kit.train.step import guard_finite, micro_step, step_numbers
@@ -50,9 +52,15 @@ def train(
     overwrite: bool = False,
     callbacks: list[Callback] | tuple[Callback, ...] = (),
 ) -> TrainResult:
-    """Train the configured network; `resume="latest"` continues the newest checkpoint."""
-    s = prepare(cfg, resume=resume, force=force, overwrite=overwrite, callbacks=callbacks)
-    return fit(s)
+    """Train the configured network; `resume="latest"` continues the newest checkpoint.
+
+    The run folder is locked for the run's life (`kit.run.lock`): a second `kit train` or a
+    resume on it while this one runs is refused, naming this process."""
+    check_output_dir(cfg)
+    held = hold_run(cfg.train.output_dir, "train") if lead_process() else contextlib.nullcontext()
+    with held:
+        s = prepare(cfg, resume=resume, force=force, overwrite=overwrite, callbacks=callbacks)
+        return fit(s)
 
 
 def fit(s: TrainState) -> TrainResult:

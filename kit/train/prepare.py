@@ -19,6 +19,7 @@ from kit.errors import KitError
 from kit.families import Family, get_family
 from kit.families import quantize as quant
 from kit.families.loading import load_base
+from kit.families.source import check_base
 from kit.families.training_adapter import TrainingAdapter, read_training_adapter
 from kit.io import write_text
 from kit.methods import get_method
@@ -36,7 +37,7 @@ from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.preserve import Preserver, check_preservation
-from kit.train.resume import check_resume, clear_run, refuse_mixed_runs, restore
+from kit.train.resume import check_resume, check_shape, clear_run, refuse_mixed_runs, restore
 from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
 from kit.train.step import check_compile, compile_denoiser
@@ -58,6 +59,8 @@ def prepare(
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)  # a pair that cannot be trained is refused here
     check_preservation(cfg, method)
+    # A base that is missing, gated or of another family: one line, before any scan or cache.
+    check_base(family, cfg.model.pretrained_model, cfg.model.revision)
     _refuse_deepspeed_with_several_models(method)
     _refuse_under_fsdp(cfg, method)
     accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)
@@ -81,6 +84,7 @@ def prepare(
     check_optimizer(t, deepspeed_launch())  # a missing package, before anything loads
 
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
+    check_shape(cfg, resume_from)  # another adapter's checkpoint: refused before any work
     refuse_mixed_runs(run, resume, overwrite)
     # Before any work on the CPU (class images, the cache): see kit.run.threads.
     cpu = threads.for_run(t.cpu_threads, resume_from)
@@ -187,7 +191,7 @@ def prepare(
         adapter.attach(comps.denoiser, device)
     report = _data_report(scanned, data)
     empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
-    check_resume(run, cfg, data, resume_from, force)
+    check_resume(run, cfg, data, resume_from, force, identity=comps.identity)
     if overwrite and not resume and accelerator.is_main_process:
         clear_run(run)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -11,6 +13,8 @@ from typing import Any
 from kit.config import Config
 from kit.data.cache import CachedDataset
 from kit.errors import KitError
+from kit.families.identity import fingerprint as id_digest
+from kit.families.identity import public_name
 from kit.io import write_text
 from kit.optim import train_weights
 from kit.run import checkpoint as ckpt
@@ -22,22 +26,91 @@ from kit.train.state import TrainState
 EXACTNESS_KEYS = ("train_batch_size", "gradient_accumulation_steps", "seed", "resolution")
 
 
-def fingerprint(cfg: Config, data: CachedDataset) -> dict[str, Any]:
-    """What a resume must find unchanged to continue exactly."""
-    return {
+# Settings that shape what a checkpoint holds: a resume with other values cannot load it.
+SHAPE_KEYS = (
+    "model_family",
+    "network_type",
+    "lora_rank",
+    "use_dora",
+    "lora_target_modules",
+    "train_text_encoder",
+    "text_encoder_target_modules",
+)
+
+
+def adapter_shape(cfg: Config) -> dict[str, Any]:
+    """The settings that decide the trained weights' names and shapes (those the config has)."""
+    out = {}
+    for k in SHAPE_KEYS:
+        with contextlib.suppress(KitError):
+            out[k] = cfg.get(k)
+    return out
+
+
+def base_record(cfg: Config, identity: dict[str, str]) -> dict[str, str]:
+    """The base a checkpoint was trained on: its public name and a digest of its parts' configs
+    and files (no local path)."""
+    return {"name": public_name(cfg.model.pretrained_model), "digest": id_digest(identity)}
+
+
+def fingerprint(
+    cfg: Config, data: CachedDataset, identity: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """What a resume must find unchanged to continue exactly: the settings, the images, the
+    adapter's shape and (given the loaded base's `identity`) the base model."""
+    out = {
         "settings": {k: cfg.get(k) for k in EXACTNESS_KEYS},
         "dataset": sorted(data.digests),
+        "adapter": adapter_shape(cfg),
     }
+    if identity is not None:
+        out["base"] = base_record(cfg, identity)
+    return out
+
+
+def check_shape(cfg: Config, resume_from: Path | None) -> None:
+    """Refuse, before anything loads, a resume whose checkpoint holds another adapter (family,
+    network, rank, targets): its weights would not fit (`--force` cannot help)."""
+    if resume_from is None:
+        return
+    try:
+        saved = json.loads((resume_from / ckpt.PROGRESS_FILE).read_text()).get("adapter", {})
+    except (OSError, ValueError):
+        return  # read again (and refused by name) when the checkpoint loads
+    now = adapter_shape(cfg)
+    changed = [f"{k}: {v!r} → {now[k]!r}" for k, v in saved.items() if k in now and now[k] != v]
+    if changed:
+        raise KitError(
+            f"cannot resume {resume_from}: it holds another adapter than this config trains ("
+            + "; ".join(changed)
+            + "); set them back to resume, or start a new run in another output_dir"
+        )
+
+
+def base_change(saved: dict[str, Any] | None, now: dict[str, str]) -> str:
+    """How the base differs from the one a checkpoint was trained on ("" when the same)."""
+    if not saved or saved.get("digest") == now["digest"]:
+        return ""
+    if saved.get("name") != now["name"]:
+        return f"base model: {saved.get('name')} → {now['name']}"
+    return f"base model: {now['name']} holds other weights or configs than when it was saved"
 
 
 def check_resume(
-    run: RunDir, cfg: Config, data: CachedDataset, resume_from: Path | None, force: bool
+    run: RunDir,
+    cfg: Config,
+    data: CachedDataset,
+    resume_from: Path | None,
+    force: bool,
+    identity: dict[str, str] | None = None,
 ) -> None:
-    """Refuse (or, with `force`, warn about) a resume whose settings or images have changed."""
+    """Refuse (or, with `force`, warn about) a resume whose settings, images or base model
+    have changed."""
     if resume_from is None:
         return
+    check_shape(cfg, resume_from)
     saved = json.loads((resume_from / "progress.json").read_text())
-    now = fingerprint(cfg, data)
+    now = fingerprint(cfg, data, identity)
     changes = [
         f"{k}: {saved['settings'].get(k)!r} → {v!r}"
         for k, v in now["settings"].items()
@@ -48,6 +121,8 @@ def check_resume(
         changes.append(
             f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed"
         )
+    if "base" in now and base_change(saved.get("base"), now["base"]):
+        changes.append(base_change(saved.get("base"), now["base"]))
     if changes and not force:
         raise KitError(
             f"cannot resume {resume_from} exactly; changed since it was saved: "
@@ -101,8 +176,22 @@ def truncate_metrics(run: RunDir, step: int) -> None:
     write_text(run.metrics, "".join(json.dumps(r) + "\n" for r in rows))
 
 
+# What a run writes into each of its folders, by name: `--overwrite` removes these and nothing
+# else, so a folder of the user's own (a project's `validation/`) keeps every file of theirs.
+_KIT_NAMED = re.compile(r"step-\d+|\.step-\d+.*\.tmp|.+-scales")
+
+
+def _kit_entries(folder: Path) -> list[Path]:
+    """The entries of `folder` that a run wrote (checkpoints, grids), by the names it gives them."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and _KIT_NAMED.fullmatch(p.name))
+
+
 def _old_run_files(run: RunDir) -> list[Path]:
-    return [p for p in (run.checkpoints, run.metrics, run.validation) if p.exists()]
+    """What an earlier run left in `run`: its checkpoints, metrics and validation grids."""
+    found = _kit_entries(run.checkpoints) + _kit_entries(run.validation)
+    return found + [p for p in (run.metrics,) if p.is_file()]
 
 
 def refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
@@ -110,14 +199,70 @@ def refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
     if not resume and not overwrite and _old_run_files(run):
         raise KitError(
             f"{run.root} already holds a run; resume it (--resume latest), "
-            "choose another output_dir, or pass --overwrite to replace it"
+            "choose another output_dir, or pass --overwrite to replace it (only the run's own "
+            "checkpoints, metrics and grids are removed)"
         )
 
 
 def clear_run(run: RunDir) -> None:
-    """Delete an earlier run's checkpoints, logs and images (only once the new run can start)."""
+    """Delete an earlier run's checkpoints, metrics and images (only once the new run can
+    start): only what a run writes, by its names; a folder is removed only once it is empty,
+    so nothing of the user's in it goes with them."""
     for p in _old_run_files(run):
         if p.is_dir():
             shutil.rmtree(p)
         else:
             p.unlink()
+    for folder in (run.checkpoints, run.validation):
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def check_output_dir(cfg: Config) -> None:
+    """Refuse an output_dir a run must not write into: empty (the current folder), the current
+    folder itself, an existing file, or a folder inside one of the run's dataset folders (the
+    next scan would train on the run's own grids)."""
+    given = cfg.train.output_dir
+    if not given.strip():
+        raise KitError(
+            "output_dir: empty; set it to a folder of its own for the run (e.g. runs/my-lora)"
+        )
+    out = Path(given).expanduser().resolve()
+    if out == Path.cwd().resolve():
+        raise KitError(
+            f"output_dir: {given} is the current folder; a run writes checkpoints, logs and "
+            "grids into its folder: give it a folder of its own (e.g. runs/my-lora)"
+        )
+    if out.exists() and not out.is_dir():
+        raise KitError(f"output_dir: {given} is a file, not a folder; choose a folder for the run")
+    run = RunDir(out)
+    if run.config.is_file() and not run.manifest.is_file():
+        raise KitError(
+            f"output_dir: {given} holds a {run.config.name} that no run wrote (no "
+            f"{run.manifest.name} beside it); the run would replace it: give the run a folder "
+            "of its own (e.g. runs/my-lora)"
+        )
+    d = cfg.data
+    folders = {
+        "image_dir": d.image_dir,
+        "caption_dir": d.caption_dir,
+        "mask_dir": d.mask_dir,
+        "validation_image_dir": cfg.validation.validation_image_dir,
+    }
+    for i, ds in enumerate(d.datasets):
+        folders.update(
+            {
+                f"datasets[{i}].{k}": getattr(ds, k) or ""
+                for k in ("image_dir", "caption_dir", "mask_dir")
+            }
+        )
+    for key, folder in folders.items():
+        if folder and _inside(out, Path(folder).expanduser().resolve()):
+            raise KitError(
+                f"output_dir: {given} is inside {key} ({folder}); the run's grids would be "
+                "scanned as training images: put the run folder outside the dataset"
+            )
