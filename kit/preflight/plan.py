@@ -241,7 +241,7 @@ def plan(
     distilled = fam.distillation(cfg.model.pretrained_model)
     if distilled and not cfg.model.training_adapter:
         propose(
-            f"{distilled} A LoRA trained on it straight comes out weak or grainy: set "
+            f"{distilled.rstrip('.')}. A LoRA trained on it straight comes out weak or grainy: set "
             "training_adapter to a de-distilling LoRA made for it (run inside the base while "
             "training, left out of the export), or plan on the non-distilled base "
             "(--pretrained-model)",

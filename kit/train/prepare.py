@@ -424,7 +424,7 @@ def _training_adapter(
         return adapter
     if distilled:
         say(
-            f"warning: {distilled} A LoRA trained on it straight comes out weak or grainy at "
+            f"warning: {distilled.rstrip('.')}. A LoRA trained on it straight comes out weak or grainy at "
             "its few steps. Either set training_adapter to a de-distilling LoRA made for this "
             "base (run inside it while training, left out of the export), or train on the "
             "non-distilled base and use the LoRA on either"
