@@ -274,6 +274,9 @@ def test_validation_draws_the_same_from_cached_embeddings(loaded):
     )
     for a, b in zip(with_encoders, without, strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+    # An adapter scale (a slider's row, `draw_checkpoint`'s scales) reaches the denoiser alone.
+    scaled = replace(spec, adapter_scale=0.5)
+    assert family.sample(EmbeddedPrompts(family.pipeline(bare), cached.__getitem__, family), scaled)
 
 
 def test_kit_families_lists_each_with_its_variants_and_shipped_configs(capsys):

@@ -16,10 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from diffusers.utils import scale_lora_layers, unscale_lora_layers
 
 from kit.families.samplers import ImageSpec
 
 PROMPT_KEYS = (("prompt", ""), ("negative_prompt", "negative_"))
+SCALE_KEYS = ("cross_attention_kwargs", "joint_attention_kwargs", "attention_kwargs")
+"""Where pipelines take the LoRA scale (`{"scale": s}`)."""
 """Each string argument of a pipeline call, and the prefix of the embeddings that replace it."""
 
 
@@ -81,6 +84,30 @@ class EmbeddedPrompts:
         setattr(self.wrapped, name, value)
 
     def __call__(self, **kwargs: Any) -> Any:
+        # The adapter scale goes to the denoisers here, not through the call: a pipeline that
+        # is given a LoRA scale also scales its text encoder's LoRA layers, and has none.
+        scale = None
+        for key in SCALE_KEYS:
+            extra = kwargs.get(key)
+            if extra and "scale" in extra:
+                extra = {k: v for k, v in extra.items() if k != "scale"}
+                scale = kwargs[key]["scale"]
+                kwargs[key] = extra or None
+        denoisers = [
+            getattr(self.wrapped, n, None) for n in ("unet", "transformer", "transformer_2")
+        ]
+        denoisers = [d for d in denoisers if d is not None]
+        if scale is not None:
+            for d in denoisers:
+                scale_lora_layers(d, scale)
+        try:
+            return self._call(kwargs)
+        finally:
+            if scale is not None:
+                for d in denoisers:
+                    unscale_lora_layers(d, scale)
+
+    def _call(self, kwargs: dict[str, Any]) -> Any:
         device, dtype = _place(self.wrapped)
         for key, prefix in PROMPT_KEYS:
             if key not in kwargs:
