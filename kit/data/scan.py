@@ -19,6 +19,7 @@ from kit.config import DataConfig
 from kit.data import video
 from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, probe
+from kit.data.pairs import pair_controls
 from kit.errors import DataError
 
 IMAGE_EXTS = set(video.FRAME_EXTS)
@@ -46,6 +47,8 @@ class Sample:
     see `kit.data.buckets.clip_windows`). None: the clip's one window, placed by `frame_start`.
     The scan gives one sample per clip; bucketing splits a clip into its windows, so caption
     tools still see each file once."""
+    controls: list[Path] = field(default_factory=list)
+    """Edit models: the control images paired with this target, one per `control_dir`."""
 
 
 @dataclass
@@ -378,7 +381,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     and a missing folder is named with its dataset.
     """
     if not cfg.datasets:
-        return scan_folder(cfg, family)
+        return pair_controls(scan_folder(cfg, family), cfg, family)
     report = ScanReport()
     for view in views(cfg):
         try:
@@ -389,7 +392,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
             sample.dataset = view.index
         for f in dataclasses.fields(ScanReport):
             getattr(report, f.name).extend(getattr(part, f.name))
-    return report
+    return pair_controls(report, cfg, family)
 
 
 def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:

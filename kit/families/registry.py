@@ -97,6 +97,13 @@ FAMILIES: dict[str, FamilyInfo] = {
             hub_id="black-forest-labs/FLUX.1-dev",
         ),
         FamilyInfo(
+            "flux_kontext",
+            "kit.families.flux_kontext",
+            bucket_step=64,
+            native_resolution=1024,
+            hub_id="black-forest-labs/FLUX.1-Kontext-dev",
+        ),
+        FamilyInfo(
             "chroma",
             "kit.families.chroma",
             bucket_step=64,

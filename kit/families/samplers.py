@@ -41,6 +41,8 @@ class ImageSpec:
     height: int
     adapter_scale: float = 1.0
     generator_device: str = "cpu"
+    control: tuple[str, ...] = ()
+    """Edit models: the control (reference) image files the prompt edits, one per reference."""
     sampler: str = "default"
     """A name of `SAMPLERS` (`default`: the pipeline's own scheduler); `draw` applies it, while
     `Family.sample` draws with whatever scheduler the pipeline holds."""
