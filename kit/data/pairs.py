@@ -21,11 +21,15 @@ from kit.data import video
 from kit.data.datasets import DatasetView, views
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
 from kit.errors import ConfigError, DataError
+from kit.families import family_class
 
 
 def check_family(cfg: DataConfig, family: Any) -> None:
     """Refuse `control_dir` for a family that takes no controls, a dataset without controls for
-    one that needs them, and more control folders than the family's pipeline takes."""
+    one that needs them, and more control folders than the family's pipeline takes.
+    `family` is the family, its class, or its `FamilyInfo` (whose class is then looked up)."""
+    if not hasattr(family, "control_images"):
+        family = family_class(family.name)
     for view in views(cfg):
         where = view.where or "the data section"
         given = len(view.data.control_dir)
@@ -107,7 +111,7 @@ def _pair_view(report: Any, view: DatasetView) -> None:
         sample.controls = found
         kept.append(sample)
     report.samples = kept
-    for folder, index in zip(folders, indexes, strict=True):
+    for index in indexes:
         for stem, paths in sorted(index.items()):
             if stem not in targets:
                 report.skipped += [
