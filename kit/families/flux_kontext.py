@@ -74,6 +74,9 @@ class FluxKontext(Flux):
     modelspec_architecture = "flux-1-kontext-dev"
     control_images = 1
     needs_control = True
+    # FluxKontextPipeline always passes custom sigmas (and, unlike FluxPipeline, does not drop
+    # them for multistep schedulers): only the schedulers whose set_timesteps takes sigmas.
+    samplers = ("default", "flow_euler", "flow_unipc")
     # Controls are resized to a preferred Kontext resolution (about one megapixel), as the
     # pipeline does by default; a test may set False to keep tiny runs small.
     auto_resize = True
@@ -113,10 +116,19 @@ class FluxKontext(Flux):
         # area keeps the grid at the validation size.
         kwargs["max_area"] = spec.width * spec.height
         if spec.control:
-            kwargs["image"] = Image.open(spec.control[0]).convert("RGB")
+            # The file, so the sidecar can record it; `sample` opens it for the pipeline.
+            kwargs["image"] = spec.control[0]
             if not self.auto_resize:
                 kwargs["_auto_resize"] = False
         return kwargs
+
+    def sample(self, pipe, spec):
+        kwargs = self.call_kwargs(spec)
+        if "image" in kwargs:
+            kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
+        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+        with torch.no_grad():
+            return [pipe(**kwargs, generator=generator).images[0]]
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]

@@ -76,6 +76,7 @@ def prompt_rows(
             width=e.width or side,
             height=e.height or side,
             sampler=e.scheduler or DEFAULT,
+            control=tuple(e.control),
         )
         seeds = [e.seed] if e.seed is not None else v.validation_seeds
         rows.append([replace(spec, seed=s) for s in seeds])
@@ -179,13 +180,25 @@ _ROW_TAGS: tuple[tuple[Any, Any], ...] = (
 """(what a row is told apart by, how its label says it)."""
 
 
+def _cell(file: str, spec: ImageSpec) -> Image.Image:
+    """A control image fitted into a cell of the spec's size (white around it)."""
+    from PIL import ImageOps
+
+    cell = Image.new("RGB", (spec.width, spec.height), "white")
+    im = ImageOps.contain(Image.open(file).convert("RGB"), (spec.width, spec.height))
+    cell.paste(im, ((spec.width - im.width) // 2, (spec.height - im.height) // 2))
+    return cell
+
+
 def row_labels(rows: list[list[ImageSpec]]) -> list[str]:
     """Each row's adapter scale and prompt, and whichever settings differ between rows
     (guidance, steps, sampler, size, negative prompt), so a grid shows what it compares."""
     firsts = [row[0] for row in rows]
     shown = [say for key, say in _ROW_TAGS if len({key(s) for s in firsts}) > 1]
     return [
-        f"[{', '.join([f'scale {s.adapter_scale:g}', *(say(s) for say in shown)])}] {s.prompt}"
+        f"[{', '.join([f'scale {s.adapter_scale:g}', *(say(s) for say in shown)])}] "
+        + ("control → " if s.control else "")
+        + s.prompt
         for s in firsts
     ]
 
@@ -215,7 +228,8 @@ def run_validation(
     rows = grid_rows(specs, cols)
     images: list[list[Image.Image]] = []
     for r, row in enumerate(rows):
-        images.append([])
+        # An edit prompt's row starts with its control image(s): control → result.
+        images.append([_cell(c, row[0]) for c in row[0].control])
         for spec in row:
             frames, sampling = draw(family, pipe, spec)
             images[-1].append(frame_strip(frames))
