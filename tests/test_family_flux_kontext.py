@@ -119,3 +119,77 @@ def test_training_inputs_equal_the_pipelines(tiny_kontext, tmp_path):
     # And the σ shift the kit draws with is the pipeline's for this size (target tokens only).
     shift = family.flow_shift(comps.noise_scheduler.config, 8, 8)
     assert float(pipe.scheduler.sigmas[1]) == pytest.approx(shift * 0.5 / (1 + (shift - 1) * 0.5))
+
+
+def _config(root, family="flux_kontext", **extra):
+    return from_dict(
+        {
+            "model_family": family,
+            "image_dir": str(root / "data"),
+            "control_dir": str(root / "controls"),
+            "resolution": 64,
+            **extra,
+        }
+    )
+
+
+def test_validation_controls_are_checked_against_the_family(tmp_path):
+    from kit.errors import ConfigError
+
+    control = _pair(tmp_path)
+    entry = {"prompt": "make it red", "control": [str(control)]}
+    with pytest.raises(ConfigError, match=r"validation_prompts\[0\]\.control: .* flux takes none"):
+        get_family("flux", from_dict({"model_family": "flux", "validation_prompts": [entry]}))
+    two = {**entry, "control": [str(control)] * 2}
+    with pytest.raises(ConfigError, match="flux_kontext takes at most 1"):
+        get_family("flux_kontext", _config(tmp_path, validation_prompts=[two]))
+    gone = {**entry, "control": [str(tmp_path / "gone.png")]}
+    with pytest.raises(ConfigError, match="gone.png is not an image file"):
+        get_family("flux_kontext", _config(tmp_path, validation_prompts=[gone]))
+
+
+def test_an_edit_models_default_grid_draws_its_training_pairs(tmp_path):
+    from kit.data.scan import scan
+    from kit.sample.validate import pair_prompts
+
+    control = _pair(tmp_path)
+    cfg = _config(tmp_path)
+    family = get_family("flux_kontext", cfg)
+    entries = pair_prompts(cfg, family, scan(cfg.data, family).samples)
+    assert [(e.prompt, e.control) for e in entries] == [("make it red", [str(control)])]
+    # A configured prompt is kept as it is; a family without controls has no pairs.
+    assert not pair_prompts(_config(tmp_path, validation_prompt=["x"]), family, [])
+    flux = from_dict({"model_family": "flux", "image_dir": str(tmp_path / "data")})
+    assert not pair_prompts(flux, get_family("flux", flux), scan(flux.data).samples)
+
+
+def test_validation_grid_shows_control_then_result(tiny_kontext, tmp_path):
+    from kit.sample.validate import image_specs, run_validation
+
+    control = _pair(tmp_path)
+    entry = {"prompt": "make it red", "control": [str(control)], "num_inference_steps": 1}
+    cfg = _config(tmp_path, validation_prompts=[entry], validation_seeds=[1])
+    family = get_family("flux_kontext", cfg)
+    family.auto_resize = False  # the control at its own size: a small test
+    comps = family.load(str(tiny_kontext))
+    pipe = family.pipeline(comps)
+    seen = []
+    real = comps.denoiser.forward
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["hidden_states"].shape[1])
+        return real(*args, **kwargs)
+
+    comps.denoiser.forward = record
+    specs = image_specs(cfg, family, [])
+    grid = run_validation(family, pipe, specs, tmp_path / "grid", cols=1, meta={})
+    assert seen == [16 + 2 * 3]  # the 64 × 64 target's tokens, then the 48 × 32 control's
+    image = Image.open(grid)
+    assert image.width == 2 * 64  # control, then result
+    cell = np.asarray(image.convert("RGB"))[14:, :64]
+    shown = np.asarray(Image.open(control).convert("RGB").resize((64, 43)))
+    assert np.abs(cell[10:53].astype(int) - shown.astype(int)).mean() < 40
+    sidecar = json.loads(next((tmp_path / "grid").glob("*.json")).read_text())
+    assert sidecar["call_kwargs"]["image"] == str(control)
+    assert sidecar["control"] == [str(control)]
+    assert sidecar["call_kwargs"]["max_area"] == 64 * 64

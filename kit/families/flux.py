@@ -444,3 +444,6 @@ def _transformer_inputs(
         "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
         "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
     }
+
+
+transformer_inputs = _transformer_inputs  # public for the families built on Flux's (Kontext)

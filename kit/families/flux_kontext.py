@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from kit.families import register
-from kit.families.flux import Flux, _transformer_inputs, pack_latents, unpack_latents
+from kit.families.flux import Flux, transformer_inputs, pack_latents, unpack_latents
 
 VAE_FACTOR = 8
 """Flux's VAE downsamples by 8; FluxKontextPipeline resizes controls to multiples of 8 · 2."""
@@ -52,7 +52,7 @@ def kontext_inputs(
     target's ids."""
     from diffusers import FluxKontextPipeline
 
-    kwargs = _transformer_inputs(config, latents, timesteps, prompt_embeds, pooled, guidance_scale)
+    kwargs = transformer_inputs(config, latents, timesteps, prompt_embeds, pooled, guidance_scale)
     control = control.to(latents.device, latents.dtype)
     b, _, h, w = control.shape
     ids = FluxKontextPipeline._prepare_latent_image_ids(

@@ -39,6 +39,23 @@ def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
     return seen or ["a photo"]
 
 
+def pair_prompts(cfg: Config, family: Family, samples: list[Any], n: int = 2) -> list[Any]:
+    """An edit model's default grid: when no validation prompt is configured, the first `n`
+    training pairs of distinct captions as `validation_prompts` entries (caption + controls),
+    so every grid shows control → result; [] otherwise."""
+    v = cfg.validation
+    if not family.control_images or v.validation_prompt or v.validation_prompts:
+        return []
+    entries: list[ValidationPrompt] = []
+    for sample in samples:
+        if sample.controls and sample.caption not in {e.prompt for e in entries}:
+            control = [str(c) for c in sample.controls]
+            entries.append(ValidationPrompt(prompt=sample.caption or "a photo", control=control))
+        if len(entries) == n:
+            break
+    return entries
+
+
 def prompt_rows(
     cfg: Config,
     family: Family,

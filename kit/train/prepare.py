@@ -28,7 +28,7 @@ from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.run.folder import RunDir
 from kit.sample.embedded import embedded_keys, prompt_texts, takes_embeddings
-from kit.sample.validate import default_prompts, image_specs
+from kit.sample.validate import default_prompts, image_specs, pair_prompts
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
 from kit.train.agreement import check_agreement
 from kit.train.classes import draw_class_images, wanted
@@ -107,6 +107,10 @@ def prepare(
         scanned=scanned,
     )
     holdout = _holdout(cfg, identity, text_dtype, family)
+    # An edit model with no validation prompt draws its first training pairs: control → result.
+    edits = pair_prompts(cfg, family, data.kept())
+    if edits:
+        cfg = replace(cfg, validation=replace(cfg.validation, validation_prompts=edits))
     # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
     taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
     prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
