@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from kit.families import register
-from kit.families.flux import Flux, transformer_inputs, pack_latents, unpack_latents
+from kit.families.flux import Flux, pack_latents, transformer_inputs, unpack_latents
 
 VAE_FACTOR = 8
 """Flux's VAE downsamples by 8; FluxKontextPipeline resizes controls to multiples of 8 · 2."""
