@@ -134,3 +134,16 @@ def test_control_latents_are_cached_batched_and_keyed_by_the_control(pairs, tiny
     assert again.latent_files == data.latent_files
     fill_cache(again, cfg, family, comps, progress=False)
     assert again.stats["latents_encoded"] == 1
+
+
+def test_controls_that_cannot_share_a_batch_are_refused_before_caching(pairs):
+    from kit.errors import DataError
+
+    _image(pairs / "controls" / "b.jpg", 1, (128, 64))  # b's control is twice as wide
+    cfg = _cfg(pairs, train_batch_size=2)
+    family = get_family("flux_kontext", cfg)
+    with pytest.raises(DataError, match=r"a\.jpg and .*b\.jpg are controls of one bucket"):
+        plan_cache(cfg, {"vae": "v", "text": "t"}, torch.float32, family=family)
+    assert not (pairs / "cache").exists()
+    one = _cfg(pairs, train_batch_size=1)  # one pair a batch: any sizes go
+    assert plan_cache(one, {"vae": "v", "text": "t"}, torch.float32, family=family).control_files

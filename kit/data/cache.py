@@ -27,7 +27,7 @@ from kit.data.datasets import views, weighted
 from kit.data.images import BadImage
 from kit.data.masks import MaskSource, bucket_mask, latent_mask, plan_masks
 from kit.data.masks import masked as any_masked
-from kit.data.pairs import control_image
+from kit.data.pairs import check_batchable, control_image
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
 from kit.data.store import EntryStore, FileStore, open_store
@@ -270,6 +270,8 @@ def plan_cache(
         [latent_dir / f"{_key(file_digest(c), p.record(), *rule)}.safetensors" for c in s.controls]
         for s, p in zip(samples, plan.placements, strict=True)
     ]
+    if any(control_files) and cfg.train.train_batch_size > 1 and hasattr(family, "control_size"):
+        check_batchable(samples, plan.placements, family, cfg.data)
     return CachedDataset(
         samples,
         plan,

@@ -19,7 +19,7 @@ from PIL import Image
 from kit.config import DataConfig
 from kit.data import video
 from kit.data.datasets import DatasetView, views
-from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
+from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb, probe
 from kit.errors import ConfigError, DataError
 from kit.families import family_class
 
@@ -140,9 +140,37 @@ def control_image(
         raise BadImage(f"unreadable control image {path}: {e}") from None
     if placement.flip:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    box = _crop_box(im.size, placement)
+    return im if box is None else im.crop(box)
+
+
+def _crop_box(size: tuple[int, int], placement: Any) -> tuple[int, int, int, int] | None:
+    """The target's crop in a control of this size (None: the target was not cropped)."""
     (rw, rh), (top, left), (bw, bh) = placement.resized, placement.crop, placement.bucket
     if (rw, rh) == (bw, bh):
-        return im  # the target was not cropped: neither is its control
-    sx, sy = im.width / rw, im.height / rh
-    box = (round(left * sx), round(top * sy), round((left + bw) * sx), round((top + bh) * sy))
-    return im.crop(box)
+        return None
+    sx, sy = size[0] / rw, size[1] / rh
+    return round(left * sx), round(top * sy), round((left + bw) * sx), round((top + bh) * sy)
+
+
+def check_batchable(
+    samples: list[Any], placements: list[Any], family: Any, cfg: DataConfig
+) -> None:
+    """Refuse, before anything is cached, a bucket whose controls the pipeline's rule resizes to
+    different sizes: they could not share a batch. Reads image headers only."""
+    sizes: dict[tuple[Any, int], dict[tuple[int, int], Path]] = {}
+    for sample, placement in zip(samples, placements, strict=True):
+        for r, control in enumerate(sample.controls):
+            w, h = probe(control, cfg.max_image_pixels)
+            box = _crop_box((w, h), placement)
+            if box is not None:
+                w, h = box[2] - box[0], box[3] - box[1]
+            seen = sizes.setdefault((placement.bucket, r), {})
+            seen.setdefault(family.control_size(w, h), Path(control))
+            if len(seen) > 1:
+                (a, fa), (b, fb) = list(seen.items())[:2]
+                raise DataError(
+                    f"{fa} and {fb} are controls of one bucket {placement.bucket} that the "
+                    f"{family.name} pipeline resizes to {a} and {b}: give each control its "
+                    "target's aspect ratio, or train with train_batch_size 1"
+                )

@@ -419,6 +419,10 @@ class Family(FamilyExports, ABC):
         `crop_top_left` (top, left) and `target_size` (h, w) as recorded by bucketing.
         """
 
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) the pipeline resizes a control of this size to."""
+        return width, height
+
     def control_pixels(self, image: Image.Image) -> torch.Tensor:
         """A control image as the pipeline feeds it to the VAE: resized by the pipeline's rule
         and normalised, (3, H, W) in [-1, 1]. Only families with `control_images` have one."""

@@ -84,12 +84,15 @@ class FluxKontext(Flux):
     def version_metadata(self) -> dict[str, str]:
         return {**super().version_metadata(), "modelspec.architecture": "flux-1-kontext-dev"}
 
+    def control_size(self, width, height):
+        return control_size(width, height, self.auto_resize)
+
     def control_pixels(self, image: Image.Image) -> torch.Tensor:
         from diffusers.image_processor import VaeImageProcessor
 
         # The pipeline's own processor (its factor is the VAE's × 2) and resize filter.
         processor = VaeImageProcessor(vae_scale_factor=VAE_FACTOR * 2)
-        width, height = control_size(image.width, image.height, self.auto_resize)
+        width, height = self.control_size(image.width, image.height)
         image = processor.resize(image, height, width)
         return processor.preprocess(image, height, width)[0]
 
