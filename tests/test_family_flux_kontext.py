@@ -193,3 +193,53 @@ def test_validation_grid_shows_control_then_result(tiny_kontext, tmp_path):
     assert sidecar["call_kwargs"]["image"] == str(control)
     assert sidecar["control"] == [str(control)]
     assert sidecar["call_kwargs"]["max_area"] == 64 * 64
+
+
+def test_exports_load_through_the_kontext_pipeline(tiny_kontext, tmp_path):
+    """The diffusers file loads through FluxKontextPipeline's `load_lora_weights` to the trained
+    weights; the ComfyUI-layout file, through diffusers' own converter for such files, merges to
+    the trained adapter's weights on every changed weight."""
+    from diffusers import FluxKontextPipeline
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from kit.config import Config
+    from kit.methods import get_method
+    from kit.methods.adapters import adapter_state_dict
+
+    cfg = Config().replace(model_family="flux_kontext", lora_rank=2, lora_alpha=4)
+    family = get_family("flux_kontext", cfg)
+    comps = family.load(str(tiny_kontext))
+    get_method(cfg, family).attach(comps)
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        k: torch.randn(v.shape, generator=generator) * 0.1
+        for k, v in adapter_state_dict(comps.denoiser).items()
+    }
+    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
+    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path / "d")
+    pipe = FluxKontextPipeline.from_pretrained(str(tiny_kontext))
+    pipe.load_lora_weights(str(tmp_path / "d"))
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+
+    # The trained adapter's merged weights (W + alpha / rank · B A), and the ComfyUI-layout
+    # file's, loaded by diffusers' own converter for such files and fused.
+    # diffusers' converter hard-codes the real model's single-block widths (3 × 3072 + 12288),
+    # which a tiny model cannot have: the double-stream blocks (fused qkv too) are checked here,
+    # the single-stream layout by flux's own layout tests.
+    state = {k: v for k, v in state.items() if not k.startswith("single_transformer_blocks")}
+    save_file(family.kohya_state_dict(state, 4.0), str(tmp_path / "comfy.safetensors"))
+    other = FluxKontextPipeline.from_pretrained(str(tiny_kontext))
+    base = {k: v.clone() for k, v in other.transformer.state_dict().items()}
+    other.load_lora_weights(str(tmp_path / "comfy.safetensors"))
+    other.fuse_lora()
+    other.unload_lora_weights()
+    got = other.transformer.state_dict()
+    modules = {k.removesuffix(".lora_A.weight") for k in state if k.endswith(".lora_A.weight")}
+    assert len(modules) == 8  # every default target of the double-stream block
+    for m in modules:
+        update = 2.0 * state[f"{m}.lora_B.weight"] @ state[f"{m}.lora_A.weight"]
+        assert torch.allclose(got[f"{m}.weight"], base[f"{m}.weight"] + update, atol=1e-5), m
+    rest = set(base) - {f"{m}.weight" for m in modules}
+    assert all(torch.equal(got[k], base[k]) for k in rest)
