@@ -147,3 +147,16 @@ def test_controls_that_cannot_share_a_batch_are_refused_before_caching(pairs):
     assert not (pairs / "cache").exists()
     one = _cfg(pairs, train_batch_size=1)  # one pair a batch: any sizes go
     assert plan_cache(one, {"vae": "v", "text": "t"}, torch.float32, family=family).control_files
+
+
+def test_held_out_images_of_an_edit_model_are_refused_before_training(pairs, tiny_base):
+    from kit.train.prepare import prepare
+
+    cfg = _cfg(
+        pairs,
+        pretrained_model=str(tiny_base("flux_kontext")),
+        validation_image_dir=str(pairs / "data"),
+    )
+    with pytest.raises(ConfigError, match="validation_image_dir: flux_kontext scores pairs"):
+        prepare(cfg)
+    assert not (pairs / "cache").exists()

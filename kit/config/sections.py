@@ -304,7 +304,8 @@ class DataConfig:
             raise ConfigError(f"max_upscale: {self.max_upscale} must be at least 1.0")
         if self.datasets and (self.image_dir or self.caption_dir or self.control_dir):
             raise ConfigError(
-                "datasets: with a list of datasets, image_dir and caption_dir go in each entry "
+                "datasets: with a list of datasets, image_dir, caption_dir and control_dir go in "
+                "each entry "
                 f"(image_dir is {self.image_dir!r})"
             )
         if self.frame_windows < 0 or self.window_stride < 0:

@@ -15,7 +15,7 @@ import torch
 from kit.config import Config
 from kit.data.cache import CachedDataset, fill_cache, plan_cache
 from kit.data.scan import ScanReport, check_dataset
-from kit.errors import KitError
+from kit.errors import ConfigError, KitError
 from kit.families import Family, get_family
 from kit.families import quantize as quant
 from kit.families.loading import load_base
@@ -365,6 +365,11 @@ def _holdout(
     folder = cfg.validation.validation_image_dir
     if not folder:
         return None
+    if family.needs_control:
+        raise ConfigError(
+            f"validation_image_dir: {family.name} scores pairs, and held-out pairs are not read "
+            "yet; leave validation_image_dir empty (the grids show control → result)"
+        )
     # Every held-out image counts: a small bucket is kept whole, never dropped or moved.
     # Held-out images are scored whole: their loss is a measure, not a lesson, and they seldom
     # come with masks.
