@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -160,3 +162,18 @@ def test_held_out_images_of_an_edit_model_are_refused_before_training(pairs, tin
     with pytest.raises(ConfigError, match="validation_image_dir: flux_kontext scores pairs"):
         prepare(cfg)
     assert not (pairs / "cache").exists()
+
+
+def test_bucket_report_shows_pairs_and_drops_the_unpaired(pairs):
+    from kit.data.report import bucket_report, report_lines
+
+    rep = bucket_report(_cfg(pairs))
+    (row,) = rep["buckets"]
+    pairs_shown = {
+        Path(f).name: [Path(c).name for c in cs]
+        for f, cs in zip(row["files"], row["controls"], strict=True)
+    }
+    assert pairs_shown == {"a.png": ["a.jpg"], "b.png": ["b.jpg"], "c.png": ["c.jpg"]}
+    dropped = {Path(d["file"]).name for d in rep["dropped"]}
+    assert dropped == {"d.png", "e.png", "z.jpg"}
+    assert any("z.jpg: control image without a target" in line for line in report_lines(rep))
