@@ -177,3 +177,16 @@ def test_bucket_report_shows_pairs_and_drops_the_unpaired(pairs):
     dropped = {Path(d["file"]).name for d in rep["dropped"]}
     assert dropped == {"d.png", "e.png", "z.jpg"}
     assert any("z.jpg: control image without a target" in line for line in report_lines(rep))
+
+
+def test_registry_facts_match_each_family_class():
+    """The scan checks pairs from the registry's facts (no torch): they must be the class's."""
+    from kit.families import family_class, family_info
+    from kit.families.registry import FAMILIES
+
+    for name in FAMILIES:
+        info, cls = family_info(name), family_class(name)
+        assert (info.control_images, info.needs_control) == (
+            cls.control_images,
+            cls.needs_control,
+        ), name

@@ -21,15 +21,12 @@ from kit.data import video
 from kit.data.datasets import DatasetView, views
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb, probe
 from kit.errors import ConfigError, DataError
-from kit.families import family_class
 
 
 def check_family(cfg: DataConfig, family: Any) -> None:
     """Refuse `control_dir` for a family that takes no controls, a dataset without controls for
     one that needs them, and more control folders than the family's pipeline takes.
-    `family` is the family, its class, or its `FamilyInfo` (whose class is then looked up)."""
-    if not hasattr(family, "control_images"):
-        family = family_class(family.name)
+    `family` is the family or its `FamilyInfo` (which knows the same, without torch)."""
     for view in views(cfg):
         where = view.where or "the data section"
         given = len(view.data.control_dir)
