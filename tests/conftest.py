@@ -122,6 +122,10 @@ def write_run_config(
 ) -> Path:
     """Write the config of a short run (`TINY_RUN`) on a tiny base model; keyword arguments
     override. The run and its cache go beside the file, in `run/` and `cache/`, unless set."""
+    from kit.families import family_class
+
+    if family_class(family).needs_control and "control_dir" not in overrides:
+        overrides["control_dir"] = str(paired_controls(Path(data)))
     fields = {
         "model_family": family,
         "pretrained_model": str(base),
@@ -132,6 +136,23 @@ def write_run_config(
         **overrides,
     }
     return write_config(path, **fields)
+
+
+def paired_controls(data: Path) -> Path:
+    """A control image for each image of `data` (its mirror image, so an edit model has a pair
+    to learn), written once beside the folder as `<data>_controls`."""
+    from PIL import Image, ImageOps
+
+    out = data.parent / f"{data.name}_controls"
+    if not out.is_dir():
+        tmp = data.parent / f".{data.name}_controls.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for image in sorted(p for p in data.rglob("*.png") if not p.name.startswith(".")):
+            dest = tmp / image.relative_to(data)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            ImageOps.mirror(Image.open(image).convert("RGB")).save(dest)
+        tmp.rename(out)
+    return out
 
 
 TEXTUAL_INVERSION = {

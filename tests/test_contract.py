@@ -56,7 +56,13 @@ def batch(loaded):
         "crop_top_left": torch.zeros(2, 2, dtype=torch.long),
         "target_size": torch.tensor([[SIDE, SIDE]] * 2),
     }
-    return pixels, latents, {**text, **sizes}
+    # An edit family's references, as the cache gives them (`control_latents_<r>`).
+    with torch.no_grad():
+        controls = {
+            f"control_latents_{r}": family.encode_images(comps, pixels.flip(-1))
+            for r in range(family.control_images)
+        }
+    return pixels, latents, {**text, **sizes, **controls}
 
 
 def _shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:

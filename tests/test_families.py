@@ -34,7 +34,10 @@ REPRODUCE = textwrap.dedent(
     spec = json.load(open(sidecar))
     pipe = getattr(diffusers, spec["pipeline"]).from_pretrained(spec["base_model"], **spec.get("pipeline_kwargs", {}))
     pipe.load_lora_weights(lora)
-    out = pipe(**spec["call_kwargs"], generator=torch.Generator(spec["generator_device"]).manual_seed(spec["seed"]))
+    kwargs = spec["call_kwargs"]
+    if isinstance(kwargs.get("image"), str):  # an edit model's control, named by its file
+        kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
+    out = pipe(**kwargs, generator=torch.Generator(spec["generator_device"]).manual_seed(spec["seed"]))
     if hasattr(out, "frames"):
         frames = [Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) if not isinstance(f, Image.Image) else f for f in out.frames[0]]
     else:

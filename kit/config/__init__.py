@@ -238,10 +238,17 @@ def _resolve_paths(value: Any, base_dir: str | Path) -> Any:
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
         if f.metadata.get("path") and v:
-            changes[f.name] = str(absolute_path(v, base_dir))
+            changes[f.name] = _absolute(v, base_dir)
         elif dataclasses.is_dataclass(v) or isinstance(v, list):
             changes[f.name] = _resolve_paths(v, base_dir)
     return dataclasses.replace(value, **changes) if changes else value
+
+
+def _absolute(value: str | list[str], base_dir: str | Path) -> str | list[str]:
+    """A path field's value (a path, or a list of paths) made absolute from `base_dir`."""
+    if isinstance(value, list):
+        return [str(absolute_path(v, base_dir)) for v in value]
+    return str(absolute_path(value, base_dir))
 
 
 def flat_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -302,7 +309,7 @@ def from_dict(raw: dict[str, Any], base_dir: str | Path | None = None) -> Config
         sec, f = index[key]
         value = _coerce(key, value, hints[sec][key])
         if base_dir is not None and f.metadata.get("path") and value:
-            value = str(absolute_path(value, base_dir))
+            value = _absolute(value, base_dir)
         elif base_dir is not None and isinstance(value, list):
             value = _resolve_paths(value, base_dir)
         per_section[sec][key] = value

@@ -48,6 +48,9 @@ class DatasetConfig:
     """Folder of same-stem caption files; empty means captions lie beside the images."""
     mask_dir: str | None = field(default=None, metadata=PATH)
     """Folder of same-stem masks for `masked_loss`; empty takes the data section's."""
+    control_dir: list[str] = field(default_factory=list, metadata=PATH)
+    """Edit models: the control (reference) images' folder, or one per reference, paired with
+    `image_dir`'s images (the targets) by relative path and stem."""
     masked_loss: bool | None = None
     """This dataset's images train with their masks, or (false) whole; empty takes the data
     section's. A regularisation set without masks beside masked instance images sets false."""
@@ -99,7 +102,7 @@ class DatasetConfig:
     def overrides(self) -> dict[str, object]:
         """The data-section fields this dataset sets for itself."""
         own = {"name", "image_dir", "caption_dir", "mask_dir", "repeats", "role", "loss_weight"}
-        own.add("target")
+        own.update(("target", "control_dir"))
         out: dict[str, object] = {
             f.name: getattr(self, f.name)
             for f in dataclass_fields(self)
@@ -132,6 +135,9 @@ class ValidationPrompt:
     SDXL) or `flow_euler`, `flow_heun` (not Flux), `flow_unipc`, `flow_dpm++_2m` (SD3, Flux,
     Wan); empty (or `default`) keeps the base model's scheduler. The sidecar names it as
     `sampler` beside the scheduler config used."""
+
+    control: list[str] = field(default_factory=list, metadata=PATH)
+    """Edit models: the control (reference) image(s) the prompt edits, one per reference."""
 
     def __post_init__(self) -> None:
         if not self.prompt.strip():
@@ -238,6 +244,9 @@ class DataConfig:
     mask_dir: str = field(default="", metadata=PATH)
     """Folder of same-stem mask images (greyscale; white = learn) for `masked_loss`; empty
     takes each image's alpha channel."""
+    control_dir: list[str] = field(default_factory=list, metadata=PATH)
+    """Edit models (flux_kontext): folder of control images, or a list (one per reference),
+    each paired with the target image of the same relative path and stem in `image_dir`."""
     datasets: list[DatasetConfig] = field(default_factory=list)
     """Several image folders in one run, each with its own `repeats`, `role`, `loss_weight`
     and, where they differ, caption settings and resolution (see `DatasetConfig`); empty
@@ -298,9 +307,10 @@ class DataConfig:
                 )
         if self.max_upscale < 1.0:
             raise ConfigError(f"max_upscale: {self.max_upscale} must be at least 1.0")
-        if self.datasets and (self.image_dir or self.caption_dir):
+        if self.datasets and (self.image_dir or self.caption_dir or self.control_dir):
             raise ConfigError(
-                "datasets: with a list of datasets, image_dir and caption_dir go in each entry "
+                "datasets: with a list of datasets, image_dir, caption_dir and control_dir go in "
+                "each entry "
                 f"(image_dir is {self.image_dir!r})"
             )
         if self.frame_windows < 0 or self.window_stride < 0:

@@ -27,6 +27,7 @@ from kit.data.datasets import views, weighted
 from kit.data.images import BadImage
 from kit.data.masks import MaskSource, bucket_mask, latent_mask, plan_masks
 from kit.data.masks import masked as any_masked
+from kit.data.pairs import check_batchable, control_image
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
 from kit.data.store import EntryStore, FileStore, open_store
@@ -98,6 +99,9 @@ class CachedDataset:
     prompt_files: dict[str, Path] = field(default_factory=dict)
     """Texts that no sample trains on, cached with the captions: a slider's prompts, and the
     validation prompts (`add_prompts`) → their embedding file."""
+    control_files: list[list[Path]] = field(default_factory=list)
+    """Edit models: per sample, the latent entry of each of its control images; empty
+    without `control_dir`."""
 
     def kept(self) -> list[Sample]:
         """The samples trained on, once each (a mirrored twin is the same sample)."""
@@ -132,7 +136,8 @@ class CachedDataset:
     def missing(self) -> dict[str, int]:
         """Cache entries not yet written: latents and (distinct) text embeddings."""
         return {
-            "latents": sum(not self.store.has(f) for f in self.latent_files),
+            "latents": sum(not self.store.has(f) for f in self.latent_files)
+            + sum(not self.store.has(f) for fs in self.control_files for f in fs),
             "text": sum(not self.store.has(f) for f in self.text_entries()),
         }
 
@@ -148,6 +153,9 @@ class CachedDataset:
         for j, i in enumerate(indices):
             entry = self.store.get(self.latent_files[i])
             out["latents"].append(entry["latents"])
+            for r, f in enumerate(self.control_files[i] if self.control_files else ()):
+                # One key per reference (tensors only, as every batch key): `control_latents_0`...
+                out[f"control_latents_{r}"].append(self.store.get(f)["latents"])
             if "loss_mask" in entry:
                 out["loss_mask"].append(entry["loss_mask"])
             text = self.variant_files[i][variants[j] if variants else 0]
@@ -166,6 +174,13 @@ class CachedDataset:
                     out[f"preserve.{k}"].append(v)
             if self.base_targets:
                 out["base_target"].append(torch.tensor(self.base_targets[i]))
+        for k, v in out.items():
+            if k.startswith("control_latents_") and len({t.shape for t in v}) > 1:
+                files = ", ".join(str(self.samples[i].controls[0]) for i in indices)
+                raise DataError(
+                    f"the controls of one batch resize to different sizes ({files}): give the "
+                    "controls of a bucket the aspect ratio of their targets, or train batch_size 1"
+                )
         return {k: torch.stack(v) for k, v in out.items()}
 
     def draw_variants(self, n: int, generator: torch.Generator) -> list[int] | None:
@@ -264,6 +279,16 @@ def plan_cache(
     text_file = functools.partial(_text_path, text_dir, str(dtype))
 
     variant_files = [[text_file(t) for t in ts] for ts in texts]
+    # A control is keyed like its target: its bytes, the target's placement (its crop and mirror
+    # are the control's) and the family whose pipeline rule resizes it; an edited control misses
+    # its own entry only.
+    rule = ("control", cfg.model.model_family, str(LATENT_DTYPE), *drawn)
+    control_files = [
+        [latent_dir / f"{_key(file_digest(c), p.record(), *rule)}.safetensors" for c in s.controls]
+        for s, p in zip(samples, plan.placements, strict=True)
+    ]
+    if any(control_files) and cfg.train.train_batch_size > 1 and hasattr(family, "control_size"):
+        check_batchable(samples, plan.placements, family, cfg.data)
     return CachedDataset(
         samples,
         plan,
@@ -284,6 +309,7 @@ def plan_cache(
         masks=masks,
         store=open_store(cfg.data.cache_format, cfg.data.cache_compression),
         text_path=text_file,
+        control_files=control_files if any(control_files) else [],
     )
 
 
@@ -384,7 +410,28 @@ def _encode_missing(
             entry["loss_mask"] = latent_mask(mask, lat.shape)
         data.store.put(f, entry)
         stats["latents_encoded"] += 1
-    if todo:
+    todo_controls = [
+        (i, r)
+        for i, fs in enumerate(data.control_files)
+        for r, f in enumerate(fs)
+        if i % share[1] == share[0] and i not in bad and not data.store.has(f)
+    ]
+    if todo_controls and not todo:
+        vae_dtype = comps.vae.dtype
+        comps.vae.to(dtype=LATENT_DTYPE)
+    for i, r in tqdm(todo_controls, desc="cache controls", unit="img", disable=not show):
+        s, p, f = data.samples[i], data.plan.placements[i], data.control_files[i][r]
+        d = seen[s.dataset].data
+        try:
+            image = control_image(s.controls[r], p, d.alpha_background, d.max_image_pixels)
+        except BadImage as e:
+            bad[i] = str(e)
+            continue
+        pixels = family.control_pixels(image).unsqueeze(0).to(device)
+        lat = family.encode_images(comps, pixels, **posterior_draw(cfg, f))[0]
+        data.store.put(f, {"latents": lat.float().cpu().contiguous()})
+        stats["latents_encoded"] += 1
+    if todo or todo_controls:
         comps.vae.to(dtype=vae_dtype)
     if bad and share[1] == 1:
         _drop_undecodable(data, bad)
@@ -430,6 +477,8 @@ def _drop_undecodable(data: CachedDataset, bad: dict[int, str]) -> None:
             names += (extra,)
     if data.masks:
         names += ("masks",)
+    if data.control_files:
+        names += ("control_files",)
     for name in names:
         setattr(data, name, [getattr(data, name)[i] for i in keep])
     plan = data.plan

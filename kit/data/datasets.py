@@ -66,6 +66,7 @@ def views(data: DataConfig) -> list[DatasetView]:
                 data,
                 image_dir=entry.image_dir,
                 caption_dir=entry.caption_dir,
+                control_dir=entry.control_dir,
                 datasets=[],
                 **entry.overrides(),
             )

@@ -11,6 +11,9 @@ from kit.config import Config
 from kit.data.buckets import epoch_batches, group_name, plan_dataset
 from kit.data.datasets import views
 from kit.data.masks import masked, plan_masks
+from kit.data.pairs import unpaired
+from kit.data.scan import check_dataset
+from kit.families import family_info
 
 
 def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
@@ -22,14 +25,13 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
     t = cfg.train
     # With masks, an image whose mask is unusable is left out before bucketing, as in training.
     refused = plan_masks(cfg) if masked(cfg.data) else None
-    samples, plan = plan_dataset(
-        cfg,
-        num_processes,
-        family=refused.family if refused else None,
-        scanned=refused.scanned if refused else None,
-    )
+    family = refused.family if refused else family_info(cfg.model.model_family)
+    scanned = refused.scanned if refused else check_dataset(cfg.data, family)
+    samples, plan = plan_dataset(cfg, num_processes, family=family, scanned=scanned)
     if refused is not None:
         plan.dropped = plan.dropped + refused.refused
+    # Edit models: the targets without their control and the controls without their target.
+    plan.dropped = plan.dropped + unpaired(scanned)
     video = any(p.frames for p in plan.placements)
     buckets = []
     for key, idx in sorted(plan.groups().items()):
@@ -45,6 +47,8 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
             per_epoch=plan.occurrences(idx) * plan.repeats.get(key, 1),
             files=[str(samples[i].image) for i in idx],
         )
+        if any(samples[i].controls for i in idx):  # an edit model's pairs: each file's controls
+            row["controls"] = [[str(c) for c in samples[i].controls] for i in idx]
         if video:  # a clip's windows are samples of their own: `count` counts windows
             row["clips"] = len({samples[i].image for i in idx if samples[i].clip})
         buckets.append(row)

@@ -19,6 +19,8 @@ from kit.config import DataConfig
 from kit.data import video
 from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, probe
+from kit.data.pairs import pair_controls
+from kit.data.paths import caption_path
 from kit.errors import DataError
 
 IMAGE_EXTS = set(video.FRAME_EXTS)
@@ -46,6 +48,8 @@ class Sample:
     see `kit.data.buckets.clip_windows`). None: the clip's one window, placed by `frame_start`.
     The scan gives one sample per clip; bucketing splits a clip into its windows, so caption
     tools still see each file once."""
+    controls: list[Path] = field(default_factory=list)
+    """Edit models: the control images paired with this target, one per `control_dir`."""
 
 
 @dataclass
@@ -126,16 +130,6 @@ def _and_more(items: list[Any], shown: int = 1, brackets: bool = True) -> str:
         return ""
     more = f"and {len(items) - shown} more"
     return f" ({more})" if brackets else f" {more}"
-
-
-def caption_path(image: Path, cfg: DataConfig, is_dir: bool | None = None) -> Path:
-    """The caption file of an image or frame folder (it may not exist yet)."""
-    folder = Path(cfg.caption_dir) if cfg.caption_dir else image.parent
-    if cfg.caption_dir:
-        folder = folder / image.parent.relative_to(Path(cfg.image_dir))
-    # A frame folder `clip.v2/` is captioned by `clip.v2.txt`: its whole name is the stem.
-    stem = image.name if (image.is_dir() if is_dir is None else is_dir) else image.stem
-    return folder / (stem + cfg.caption_extension)
 
 
 def _prefix(folder: str | Path) -> str:
@@ -382,7 +376,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     and a missing folder is named with its dataset.
     """
     if not cfg.datasets:
-        return scan_folder(cfg, family)
+        return pair_controls(scan_folder(cfg, family), cfg, family)
     report = ScanReport()
     for view in views(cfg):
         try:
@@ -393,7 +387,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
             sample.dataset = view.index
         for f in dataclasses.fields(ScanReport):
             getattr(report, f.name).extend(getattr(part, f.name))
-    return report
+    return pair_controls(report, cfg, family)
 
 
 def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:

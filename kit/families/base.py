@@ -158,6 +158,11 @@ class Family(FamilyExports, ABC):
     default_num_inference_steps: int = 25
     """Validation sampler steps when the config sets none; families whose pipeline draws
     with fewer by default (step-distilled bases) say so here."""
+    control_images: int = 0
+    """How many control (reference) images a training pair may have: 0 for a family that
+    takes none (a dataset with `control_dir` is refused), else the most its pipeline takes."""
+    needs_control: bool = False
+    """Whether every dataset must have its control images (an edit model)."""
     variants: tuple[str, ...] = ()
     """The released models this family trains, as `kit families` lists them (e.g. "dev",
     "klein 4B"); which one a base is, is read from its configs (`variant_of`)."""
@@ -395,6 +400,15 @@ class Family(FamilyExports, ABC):
         `cond` holds the cached text tensors and, per sample, `original_size` (h, w),
         `crop_top_left` (top, left) and `target_size` (h, w) as recorded by bucketing.
         """
+
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) the pipeline resizes a control of this size to."""
+        return width, height
+
+    def control_pixels(self, image: Image.Image) -> torch.Tensor:
+        """A control image as the pipeline feeds it to the VAE: resized by the pipeline's rule
+        and normalised, (3, H, W) in [-1, 1]. Only families with `control_images` have one."""
+        raise NotImplementedError(f"{self.name} takes no control images")
 
     # ------------------------------------------------------------ sampling
 

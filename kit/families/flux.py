@@ -264,13 +264,11 @@ class Flux(Family):
     # ------------------------------------------------------------ sampling
 
     def pipeline(self, comps):
-        from diffusers import FluxPipeline
-
         clip, t5 = comps.text_encoders
         tok, tok_2 = comps.tokenizers
         # A fresh scheduler: sampling changes its state.
         scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return FluxPipeline(
+        return self.pipeline_type()(
             scheduler=scheduler,
             vae=comps.vae,
             text_encoder=clip,
@@ -337,7 +335,7 @@ class Flux(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextModel, T5Config, T5EncoderModel
 
         torch.manual_seed(seed)
@@ -384,7 +382,7 @@ class Flux(Family):
             base_image_seq_len=256,
             max_image_seq_len=4096,
         )
-        pipe = FluxPipeline(
+        pipe = self.pipeline_type()(
             scheduler=scheduler,
             vae=vae,
             text_encoder=text_encoder,
@@ -396,6 +394,12 @@ class Flux(Family):
         return tiny.save_pipeline(pipe, out_dir)
 
     # ------------------------------------------------------------ helpers
+
+    def pipeline_type(self) -> type:
+        """The diffusers pipeline class named by `pipeline_class` (a subclass may name another)."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
 
     def _text_pipeline(self, comps: Components) -> Any:
         """A FluxPipeline holding only the text parts (enough for `encode_prompt`)."""
@@ -440,3 +444,6 @@ def _transformer_inputs(
         "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
         "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
     }
+
+
+transformer_inputs = _transformer_inputs  # public for the families built on Flux's (Kontext)

@@ -31,6 +31,8 @@ class FamilyFacts(Protocol):
     native_resolution: int
     hub_id: str
     video: bool
+    control_images: int
+    needs_control: bool
 
     def frame_count(self, available: int) -> int: ...
 
@@ -51,6 +53,11 @@ class FamilyInfo:
     """The hub repository of the maintained base model in diffusers layout."""
     video: bool = False
     """True when the family trains on clips (and so the scan reads them)."""
+    control_images: int = 0
+    """How many control (reference) images a training pair may have (the class's
+    `control_images`): 0 for a family that takes none."""
+    needs_control: bool = False
+    """Whether every dataset must have its controls (an edit model; the class's `needs_control`)."""
     frame_stride: int = 1
     """A clip's frame count is `frame_stride · k + 1`: a VAE that compresses time by 4 (Wan)
     takes 4k+1 frames; 1 accepts any count."""
@@ -95,6 +102,15 @@ FAMILIES: dict[str, FamilyInfo] = {
             bucket_step=64,
             native_resolution=1024,
             hub_id="black-forest-labs/FLUX.1-dev",
+        ),
+        FamilyInfo(
+            "flux_kontext",
+            "kit.families.flux_kontext",
+            bucket_step=64,
+            native_resolution=1024,
+            hub_id="black-forest-labs/FLUX.1-Kontext-dev",
+            control_images=1,
+            needs_control=True,
         ),
         FamilyInfo(
             "chroma",

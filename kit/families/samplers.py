@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kit.errors import ConfigError, did_you_mean
@@ -41,6 +42,8 @@ class ImageSpec:
     height: int
     adapter_scale: float = 1.0
     generator_device: str = "cpu"
+    control: tuple[str, ...] = ()
+    """Edit models: the control (reference) image files the prompt edits, one per reference."""
     sampler: str = "default"
     """A name of `SAMPLERS` (`default`: the pipeline's own scheduler); `draw` applies it, while
     `Family.sample` draws with whatever scheduler the pipeline holds."""
@@ -111,9 +114,18 @@ def check_validation(family: Any, cfg: Config) -> None:
     """Refuse `validation_prompts` entries this family cannot draw: an unknown sampler, or a
     size its pipeline would refuse or round (so a long run does not fail at its first grid)."""
     choices, multiple = family.samplers, family.size_multiple
+    references = getattr(family, "control_images", 0)
     family = family.name
     for i, entry in enumerate(cfg.validation.validation_prompts):
         where = f"validation_prompts[{i}]"
+        if len(entry.control) > references:
+            raise ConfigError(
+                f"{where}.control: {len(entry.control)} control image(s), but {family} takes "
+                + (f"at most {references}" if references else "none (it is no edit model)")
+            )
+        for file in entry.control:
+            if not Path(file).is_file():
+                raise ConfigError(f"{where}.control: {file} is not an image file")
         if entry.scheduler is not None and entry.scheduler not in choices:
             raise ConfigError(
                 f"{where}.scheduler: {entry.scheduler!r} is not a sampler {family} can draw "

@@ -39,6 +39,23 @@ def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
     return seen or ["a photo"]
 
 
+def pair_prompts(cfg: Config, family: Family, samples: list[Any], n: int = 2) -> list[Any]:
+    """An edit model's default grid: when no validation prompt is configured, the first `n`
+    training pairs of distinct captions as `validation_prompts` entries (caption + controls),
+    so every grid shows control → result; [] otherwise."""
+    v = cfg.validation
+    if not family.control_images or v.validation_prompt or v.validation_prompts:
+        return []
+    entries: list[ValidationPrompt] = []
+    for sample in samples:
+        if sample.controls and sample.caption not in {e.prompt for e in entries}:
+            control = [str(c) for c in sample.controls]
+            entries.append(ValidationPrompt(prompt=sample.caption or "a photo", control=control))
+        if len(entries) == n:
+            break
+    return entries
+
+
 def prompt_rows(
     cfg: Config,
     family: Family,
@@ -76,6 +93,7 @@ def prompt_rows(
             width=e.width or side,
             height=e.height or side,
             sampler=e.scheduler or DEFAULT,
+            control=tuple(e.control),
         )
         seeds = [e.seed] if e.seed is not None else v.validation_seeds
         rows.append([replace(spec, seed=s) for s in seeds])
@@ -179,13 +197,25 @@ _ROW_TAGS: tuple[tuple[Any, Any], ...] = (
 """(what a row is told apart by, how its label says it)."""
 
 
+def _cell(file: str, spec: ImageSpec) -> Image.Image:
+    """A control image fitted into a cell of the spec's size (white around it)."""
+    from PIL import ImageOps
+
+    cell = Image.new("RGB", (spec.width, spec.height), "white")
+    im = ImageOps.contain(Image.open(file).convert("RGB"), (spec.width, spec.height))
+    cell.paste(im, ((spec.width - im.width) // 2, (spec.height - im.height) // 2))
+    return cell
+
+
 def row_labels(rows: list[list[ImageSpec]]) -> list[str]:
     """Each row's adapter scale and prompt, and whichever settings differ between rows
     (guidance, steps, sampler, size, negative prompt), so a grid shows what it compares."""
     firsts = [row[0] for row in rows]
     shown = [say for key, say in _ROW_TAGS if len({key(s) for s in firsts}) > 1]
     return [
-        f"[{', '.join([f'scale {s.adapter_scale:g}', *(say(s) for say in shown)])}] {s.prompt}"
+        f"[{', '.join([f'scale {s.adapter_scale:g}', *(say(s) for say in shown)])}] "
+        + ("control → " if s.control else "")
+        + s.prompt
         for s in firsts
     ]
 
@@ -215,7 +245,8 @@ def run_validation(
     rows = grid_rows(specs, cols)
     images: list[list[Image.Image]] = []
     for r, row in enumerate(rows):
-        images.append([])
+        # An edit prompt's row starts with its control image(s): control → result.
+        images.append([_cell(c, row[0]) for c in row[0].control])
         for spec in row:
             frames, sampling = draw(family, pipe, spec)
             images[-1].append(frame_strip(frames))

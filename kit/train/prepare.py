@@ -15,7 +15,7 @@ import torch
 from kit.config import Config
 from kit.data.cache import CachedDataset, fill_cache, plan_cache
 from kit.data.scan import ScanReport, check_dataset
-from kit.errors import KitError
+from kit.errors import ConfigError, KitError
 from kit.families import Family, get_family
 from kit.families import quantize as quant
 from kit.families.loading import load_base
@@ -29,7 +29,7 @@ from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.run.folder import RunDir
 from kit.sample.embedded import embedded_keys, prompt_texts, takes_embeddings
-from kit.sample.validate import default_prompts, image_specs
+from kit.sample.validate import default_prompts, image_specs, pair_prompts
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
 from kit.train.agreement import check_agreement
 from kit.train.classes import draw_class_images, wanted
@@ -114,6 +114,10 @@ def prepare(
         scanned=scanned,
     )
     holdout = _holdout(cfg, identity, text_dtype, family)
+    # An edit model with no validation prompt draws its first training pairs: control → result.
+    edits = pair_prompts(cfg, family, data.kept())
+    if edits:
+        cfg = replace(cfg, validation=replace(cfg.validation, validation_prompts=edits))
     # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
     taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
     prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
@@ -374,6 +378,11 @@ def _holdout(
     folder = cfg.validation.validation_image_dir
     if not folder:
         return None
+    if family.needs_control:
+        raise ConfigError(
+            f"validation_image_dir: {family.name} scores pairs, and held-out pairs are not read "
+            "yet; leave validation_image_dir empty (the grids show control → result)"
+        )
     # Every held-out image counts: a small bucket is kept whole, never dropped or moved.
     # Held-out images are scored whole: their loss is a measure, not a lesson, and they seldom
     # come with masks.
