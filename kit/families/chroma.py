@@ -19,28 +19,15 @@ import torch
 from kit.errors import ConfigError
 from kit.families import adapter_keys, chroma_layout, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+
+# ChromaPipeline packs its latents with FluxPipeline's own code (the tests compare the inputs).
+from kit.families.flux import pack_latents, unpack_latents
 from kit.families.samplers import DEFAULT
 
 if TYPE_CHECKING:
     from kit.config import Config
 
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # ChromaPipeline's default T5 length
-
-
-def pack_latents(latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) latents → (B, h/2 · w/2, 4C) tokens of 2×2 patches, as ChromaPipeline packs."""
-    from diffusers import ChromaPipeline
-
-    b, c, h, w = latents.shape
-    return ChromaPipeline._pack_latents(latents, b, c, h, w)
-
-
-def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Tokens back to (B, C, height, width) latents; sizes in latent pixels."""
-    from diffusers import ChromaPipeline
-
-    # The pipeline's helper takes image pixels and a VAE factor; a factor of 1 means latent pixels.
-    return ChromaPipeline._unpack_latents(tokens, height, width, 1)
 
 
 @register
