@@ -19,6 +19,8 @@ from kit.data.cache import build_cache, plan_cache
 from kit.data.store import FileStore, ShardStore
 from kit.errors import DataError
 from kit.run import checkpoint as ckpt
+from kit.sample.embedded import prompt_texts
+from kit.sample.validate import default_prompts, image_specs
 
 
 def cache_files(root: Path) -> list[Path]:
@@ -270,6 +272,9 @@ def test_two_processes_each_cache_their_half(tmp_path, make_config, fmt):
     cfg = load_config(cfg_path)
     family, comps = load_base(cfg)
     built = plan_cache(cfg, comps.identity, torch.float32)
+    # Training caches the grid's prompts with the captions (kit.sample.embedded).
+    specs = image_specs(cfg, family, default_prompts(cfg, []))
+    built.add_prompts(prompt_texts(family, specs))
     assert built.missing() == {"latents": 0, "text": 0}
     n, texts = len(built.latent_files), len(built.text_entries())
     distinct = len(set(built.latent_files))  # two samples of the same image share an entry

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers.utils import scale_lora_layers, unscale_lora_layers
 
 from kit.families.samplers import ImageSpec
 
@@ -84,6 +83,8 @@ class EmbeddedPrompts:
         setattr(self.wrapped, name, value)
 
     def __call__(self, **kwargs: Any) -> Any:
+        from diffusers.utils import scale_lora_layers, unscale_lora_layers
+
         # The adapter scale goes to the denoisers here, not through the call: a pipeline that
         # is given a LoRA scale also scales its text encoder's LoRA layers, and has none.
         scale = None
