@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -195,7 +196,7 @@ class SD3(Family):
         encoders = [*comps.text_encoders, None][:3]
         tokenizers = [*comps.tokenizers, None][:3]
         kwargs: dict[str, Any] = {"vae": None, "scheduler": None, **parts}
-        return StableDiffusion3Pipeline(
+        pipe = StableDiffusion3Pipeline(
             transformer=comps.denoiser,
             text_encoder=encoders[0],
             tokenizer=tokenizers[0],
@@ -205,6 +206,12 @@ class SD3(Family):
             tokenizer_3=tokenizers[2],
             **kwargs,
         )
+        if comps.denoiser is None and encoders[2] is None:
+            # The cache fills before the transformer loads; without T5 the pipeline reads the
+            # width of the zeros standing in for it from the transformer's config alone.
+            width = part_config(comps.source, "transformer").get("joint_attention_dim")
+            pipe.transformer = SimpleNamespace(config=SimpleNamespace(joint_attention_dim=width))
+        return pipe
 
     def kohya_state_dict(self, state, alpha):
         # One LoRA per fused weight (q, k, v → qkv), named as sd-scripts' SD3 scripts do.
