@@ -332,7 +332,8 @@ class ZImage(Family):
             "height": spec.height,
             "max_sequence_length": self.max_sequence_length(),
         }
-        if spec.negative_prompt:
+        if spec.negative_prompt or spec.guidance_scale > 0:
+            # With CFG the empty negative prompt too, as the pipeline takes None to mean "".
             kwargs["negative_prompt"] = spec.negative_prompt
         if spec.adapter_scale != 1.0:
             kwargs["joint_attention_kwargs"] = {"scale": spec.adapter_scale}
