@@ -91,13 +91,11 @@ def test_the_blocks_linear_layers_are_int8_and_smaller(int8_run):
     assert "embed" not in names and not any("." not in n for n in layers)
 
 
-def test_flux_stores_t5_int8_and_leaves_clip_alone(int8_run):
-    family, _, seen = int8_run
-    if family != "flux":
-        pytest.skip("SDXL has no T5")
-    clip, t5 = seen["text"]
-    assert not clip
-    assert t5 and all(".wo" not in n for n in t5)  # T5 keeps `wo` in precision, as declared
+def test_the_text_encoders_are_gone_once_the_cache_is_filled(int8_run):
+    """The grids draw from cached prompt embeddings: no encoder, quantized or not, stays for
+    the steps (`text_encoder_quantization` stores them quantized while they encode)."""
+    _, _, seen = int8_run
+    assert seen["text"] == []
 
 
 def test_lora_trains_in_fp32_with_finite_losses(int8_run):
@@ -270,28 +268,41 @@ def test_nf4_on_cuda_packs_the_blocks_and_lora_trains_on_it(tiny_base):
     assert all(p.grad is not None for p in layer.parameters() if p.requires_grad)
 
 
-def test_wan_stores_its_umt5_int8_and_trains(tmp_path, tiny_base, family_dataset):
-    """Wan's text encoder is a T5 (UMT5): stored int8 like Flux's and SD3's T5."""
-    from kit.families.quantize import is_quantized
-    from kit.methods.base import unwrap
+def test_wan_encodes_its_cache_with_its_umt5_int8_and_trains(
+    tmp_path, tiny_base, family_dataset, monkeypatch
+):
+    """`text_encoder_quantization`: Wan's UMT5 is stored int8 (layer by layer on the device)
+    while it fills the cache, the cache is keyed apart, and the encoder is gone afterwards."""
+    import kit.train.prepare as prep
+    from kit.families import get_family
     from kit.train.loop import fit
-    from kit.train.prepare import prepare
 
+    calls: list[tuple[str, str]] = []
+    real = prep.quant.quantize
+
+    def spy(module, kind, **kwargs):
+        calls.append((type(module).__name__, kind))
+        return real(module, kind, **kwargs)
+
+    monkeypatch.setattr(prep.quant, "quantize", spy)
     path = write_run_config(
         tmp_path / "config.json",
         base=tiny_base("wan"),
         data=family_dataset("wan"),
         family="wan",
         base_quantization="int8",
+        text_encoder_quantization="int8",
         max_train_steps=1,
         checkpointing_steps=0,
         num_frames=5,
     )
+    cfg = load_config(path)
     rows: list[dict] = []
-    state = prepare(load_config(path), callbacks=[rows.append])
-    (umt5,) = state.comps.text_encoders
-    assert any(is_quantized(m) for m in unwrap(umt5).modules())
-    assert any(is_quantized(m) for m in unwrap(state.comps.denoiser).modules())
+    state = prep.prepare(cfg, callbacks=[rows.append])
+    assert ("UMT5EncoderModel", "int8") in calls
+    assert state.comps.text_encoders == []
+    plain = get_family("wan", cfg.replace(text_encoder_quantization="none"))
+    assert state.comps.identity["text"] != plain.identity(str(tiny_base("wan")))["text"]
     fit(state)
     losses = [r["loss"] for r in rows if r.get("kind") == "step"]
     assert losses and all(torch.isfinite(torch.tensor(x)) for x in losses)

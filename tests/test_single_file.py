@@ -130,7 +130,8 @@ def test_training_loads_the_frozen_base_in_its_half_dtype(
         mixed_precision="fp16",
     )
     s = prep.prepare(load_config(path))
-    assert asked == [{"*": torch.float16, "vae": torch.float32}]
+    # Two loads, each straight in its dtype: the cache's parts, then the denoiser.
+    assert asked == [{"*": torch.float16, "vae": torch.float32}] * 2
     ref = get_family("sd15").load(str(folder)).denoiser.state_dict()
     base = {k.replace(".base_layer", ""): v for k, v in s.comps.denoiser.state_dict().items()}
     assert {v.dtype for k, v in base.items() if "lora_" not in k} == {torch.float16}
