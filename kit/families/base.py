@@ -7,6 +7,7 @@ family's name.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,6 +381,32 @@ class Family(FamilyExports, ABC):
         """
 
     # ------------------------------------------------------------ training
+
+    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
+        """σ shift for latents of this size (latent pixels): the configured `flow_shift`, else
+        the scheduler's: its fixed `shift`, or with dynamic shifting the `mu` its pipeline
+        computes for the packed 2×2 sequence length (`dynamic_mu`), a σ shift by e^mu for the
+        exponential time shift and by mu for the linear one."""
+        if self.cfg.objective.flow_shift > 0:
+            return float(self.cfg.objective.flow_shift)
+        if not scheduler_config.get("use_dynamic_shifting", False):
+            return float(scheduler_config.get("shift", 1.0))
+        mu = self.dynamic_mu(scheduler_config, (height // 2) * (width // 2))
+        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
+
+    def dynamic_mu(self, scheduler_config: Any, tokens: int) -> float:
+        """The `mu` a dynamically shifting pipeline sets for `tokens` image tokens: diffusers'
+        `calculate_shift`, the line through (base_image_seq_len, base_shift) and
+        (max_image_seq_len, max_shift) that Flux, Chroma, Qwen-Image and Z-Image share."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        return calculate_shift(
+            tokens,
+            scheduler_config.get("base_image_seq_len", 256),
+            scheduler_config.get("max_image_seq_len", 4096),
+            scheduler_config.get("base_shift", 0.5),
+            scheduler_config.get("max_shift", 1.15),
+        )
 
     @abstractmethod
     def noise_and_target(

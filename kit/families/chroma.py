@@ -8,7 +8,6 @@ ChromaPipeline builds them. Sampling uses true CFG with a negative prompt (no gu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -206,29 +205,6 @@ class Chroma(Family):
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
     # ------------------------------------------------------------ training
-
-    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
-        """σ shift for latents of this size: the configured one, else the scheduler's rule.
-
-        ChromaPipeline always computes mu from the packed sequence length (`calculate_shift`);
-        the scheduler uses it where its config enables dynamic shifting (Chroma1's does), and
-        its fixed `shift` otherwise.
-        """
-        from diffusers.pipelines.chroma.pipeline_chroma import calculate_shift
-
-        if self.cfg.objective.flow_shift > 0:
-            return float(self.cfg.objective.flow_shift)
-        if not scheduler_config.get("use_dynamic_shifting", False):
-            return float(scheduler_config.get("shift", 1.0))
-        mu = calculate_shift(
-            (height // 2) * (width // 2),
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 4096),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
-        # The scheduler's exponential time shift is the σ shift by e^mu; its linear one by mu.
-        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
         config = comps.noise_scheduler.config

@@ -7,7 +7,6 @@ position ids and the guidance embedding are built per step, exactly as FluxPipel
 from __future__ import annotations
 
 import inspect
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -215,28 +214,6 @@ class Flux(Family):
         return (latents - vae.config.shift_factor) * vae.config.scaling_factor
 
     # ------------------------------------------------------------ training
-
-    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
-        """σ shift for latents of this size: the configured one, else the scheduler's rule.
-
-        With dynamic shifting (Flux dev), the shift grows with the packed sequence length, as
-        FluxPipeline's `calculate_shift` sets it at sampling time.
-        """
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        if self.cfg.objective.flow_shift > 0:
-            return float(self.cfg.objective.flow_shift)
-        if not scheduler_config.get("use_dynamic_shifting", False):
-            return float(scheduler_config.get("shift", 1.0))
-        mu = calculate_shift(
-            (height // 2) * (width // 2),
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 4096),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
-        # The scheduler's exponential time shift is the σ shift by e^mu; its linear one by mu.
-        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
         config = comps.noise_scheduler.config

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -325,24 +324,15 @@ class Flux2(Family):
 
     # ------------------------------------------------------------ training
 
-    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
-        """σ shift for latents of this size: the configured one, else what the pipelines use.
-
-        With dynamic shifting the pipelines take mu from BFL's `compute_empirical_mu` for the
-        packed sequence length and the step count; training uses their default step count
-        (50; above 4300 tokens, about 1.2 MP, mu no longer depends on it).
-        """
+    def dynamic_mu(self, scheduler_config, tokens):
+        # The pipelines take mu from BFL's `compute_empirical_mu` for the sequence length and
+        # the step count; training uses their default step count (50; above 4300 tokens,
+        # about 1.2 MP, mu no longer depends on it).
         from diffusers import Flux2Pipeline
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
-        if self.cfg.objective.flow_shift > 0:
-            return float(self.cfg.objective.flow_shift)
-        if not scheduler_config.get("use_dynamic_shifting", False):
-            return float(scheduler_config.get("shift", 1.0))
         steps = inspect.signature(Flux2Pipeline.__call__).parameters["num_inference_steps"]
-        mu = compute_empirical_mu((height // 2) * (width // 2), steps.default)
-        # The scheduler's exponential time shift is the σ shift by e^mu; its linear one by mu.
-        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
+        return compute_empirical_mu(tokens, steps.default)
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
         config = comps.noise_scheduler.config

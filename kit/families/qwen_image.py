@@ -107,27 +107,6 @@ def transformer_inputs(
     }
 
 
-def flow_shift(scheduler_config: Any, height: int, width: int) -> float:
-    """The σ shift QwenImagePipeline samples latents of this size (latent pixels) with.
-
-    The pipeline's `calculate_shift` of the packed sequence length gives μ; the scheduler's
-    exponential time shift is a σ shift by e^μ, its linear one by μ. (Qwen's `shift_terminal`
-    only stretches the inference schedule's tail, not the σ a training step is drawn at.)
-    """
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-    if not scheduler_config.get("use_dynamic_shifting", False):
-        return float(scheduler_config.get("shift", 1.0))
-    mu = calculate_shift(
-        (height // 2) * (width // 2),
-        scheduler_config.get("base_image_seq_len", 256),
-        scheduler_config.get("max_image_seq_len", 4096),
-        scheduler_config.get("base_shift", 0.5),
-        scheduler_config.get("max_shift", 1.15),
-    )
-    return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
-
-
 # The system prompt of QwenImagePipeline's template: the tiny tokenizer gives its words one token
 # each (as Qwen2's does), so the pipeline's fixed `prompt_template_encode_start_idx` (34) drops
 # exactly the system prompt there too.
@@ -378,13 +357,9 @@ class QwenImage(Family):
 
     # ------------------------------------------------------------ training
 
-    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
-        """σ shift for latents of this size: the configured one, else the pipeline's."""
-        if self.cfg.objective.flow_shift > 0:
-            return float(self.cfg.objective.flow_shift)
-        return flow_shift(scheduler_config, height, width)
-
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
+        # The pipeline's dynamic shift (`Family.flow_shift`); Qwen's `shift_terminal` only
+        # stretches the inference schedule's tail, not the σ a training step is drawn at.
         config = comps.noise_scheduler.config
         shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
         return self.flow_draw(comps, latents, generator, shift)

@@ -263,28 +263,6 @@ class ZImage(Family):
 
     # ------------------------------------------------------------ training
 
-    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
-        """σ shift for latents of this size: the configured one, else the scheduler's.
-
-        Both releases use a fixed shift (`use_dynamic_shifting: false`), where the `mu` that
-        ZImagePipeline computes is ignored; with dynamic shifting it is that `mu`, from the
-        packed sequence length as the pipeline's `calculate_shift` gives it.
-        """
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift
-
-        if self.cfg.objective.flow_shift > 0:
-            return float(self.cfg.objective.flow_shift)
-        if not scheduler_config.get("use_dynamic_shifting", False):
-            return float(scheduler_config.get("shift", 1.0))
-        mu = calculate_shift(
-            (height // 2) * (width // 2),
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 4096),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
-        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
-
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
         config = comps.noise_scheduler.config
         shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
