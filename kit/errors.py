@@ -64,9 +64,18 @@ def disk_errno(e: BaseException) -> int | None:
     return next((code for words, code in _DISK_WORDS.items() if words in text), None)
 
 
-def disk_problem(e: BaseException, folder: str | os.PathLike | None = None) -> str | None:
-    """One line for a write that failed for lack of space or permission, naming the folder and
-    the space left there; None for any other failure."""
+def _gib(n: float) -> str:
+    if n >= 2**27:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{max(n / 2**10, 1):.0f} KiB"
+
+
+def disk_problem(
+    e: BaseException, folder: str | os.PathLike | None = None, needed: int | None = None
+) -> str | None:
+    """One line for a write that failed for lack of space or permission, naming the folder, the
+    space left there and, where the caller knows it, about how much the write needed; None for
+    any other failure."""
     code = disk_errno(e)
     if code is None:
         return None
@@ -78,9 +87,12 @@ def disk_problem(e: BaseException, folder: str | os.PathLike | None = None) -> s
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
         try:
-            free = f" ({shutil.disk_usage(probe).free / 2**30:.2f} GiB free there)"
+            free = f" ({_gib(shutil.disk_usage(probe).free)} free there"
         except OSError:
-            free = ""
+            free = " ("
+        if code in (errno.ENOSPC, errno.EDQUOT) and needed:
+            free += f"{', ' if free != ' (' else ''}about {_gib(needed)} needed"
+        free = f"{free})" if free != " (" else ""
     fix = {
         errno.ENOSPC: "free some space or choose a folder on another disk",
         errno.EDQUOT: "free some space or choose a folder on another disk",

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kit.errors import ConfigError
+from kit.errors import ConfigError, KitError, disk_errno, disk_problem
 
 
 @contextmanager
@@ -47,6 +47,23 @@ def write_with(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
     """Call `writer(tmp_path)` and move the result to `path` atomically."""
     with atomic_path(path) as tmp:
         writer(tmp)
+
+
+def save_tensors(
+    path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None
+) -> None:
+    """A safetensors file written atomically; a full or read-only disk is one line naming the
+    folder, the space left and about how much the file needed."""
+    from safetensors.torch import save_file
+
+    try:
+        write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    except Exception as e:
+        if disk_errno(e) is None:
+            raise
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        why = disk_problem(e, Path(path).parent, needed=need)
+        raise KitError(f"could not write {Path(path).name}: {why}") from None
 
 
 @contextmanager

@@ -63,6 +63,33 @@ def test_hub_id_offline_is_one_line_naming_hf_hub_offline(capsys, make_config, m
     assert "local copy" in err
 
 
+def test_a_cached_hub_model_loads_at_once_when_the_hub_cannot_be_reached(
+    tmp_path, monkeypatch, tiny_sd15
+):
+    from huggingface_hub import constants
+
+    from kit.families import get_family
+    from kit.families import source
+
+    # A hub cache holding the model, as `huggingface-cli download` leaves it.
+    repo = tmp_path / "hub" / "models--someone--tiny-sd15"
+    snapshot_dir = repo / "snapshots" / ("0" * 40)
+    shutil.copytree(tiny_sd15, snapshot_dir)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # restored after the test, as the constant
+    monkeypatch.setattr(source, "_hub_reachable", lambda: False)
+    family = get_family("sd15")
+    with pytest.warns(UserWarning, match="loaded from the local hub cache"):
+        source.check_base(family, "someone/tiny-sd15")
+    # Every later request goes straight to the cache (no retries against an unreachable hub).
+    assert constants.is_offline_mode() and os.environ["HF_HUB_OFFLINE"] == "1"
+    comps = family.load("someone/tiny-sd15", parts=("denoiser",))
+    assert comps.denoiser is not None
+
+
 def test_gated_and_missing_hub_models_say_what_to_do():
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
 
@@ -187,9 +214,16 @@ def test_overwrite_removes_only_what_a_run_wrote(capsys, make_config, tmp_path):
     err = refused(capsys, "train", cfg)
     assert "already holds a run" in err and "--overwrite" in err
     assert "already holds a run" in run.error_log.read_text()  # the traceback, in the run's log
+    # The run's record: the folders it created, not the user's that it wrote into.
+    created = json.loads((project / "run_files.json").read_text())["created"]
+    assert "logs" in created and "validation" not in created and "checkpoints" not in created
+    old_timing = run.logs / "old-run.txt"
+    old_timing.write_text("the earlier run's")
     assert main(["train", str(cfg), "--overwrite"]) == 0
     assert mine.read_bytes() == b"my own picture" and notes.read_text() == "my notes"
     assert run.checkpoint(2).is_dir()  # the new run's
+    assert not old_timing.exists()  # a folder the kit created goes whole
+    assert sorted(p.name for p in run.validation.iterdir()) == ["my-photo.png", "step-000002"]
 
 
 def _fake_run(tmp_path: Path, make_config) -> Path:
@@ -251,9 +285,32 @@ def test_full_or_read_only_disk_keeps_the_previous_checkpoint(tmp_path, monkeypa
         ckpt.save_checkpoint(tmp_path, 4, state, opt, sched, torch.Generator(), progress)
     msg = str(e.value)
     assert "step 4" in msg and words in msg and "GiB free" in msg
+    if words == "no space":  # how much it needed: the size of the last complete checkpoint
+        size = sum(f.stat().st_size for f in first.rglob("*") if f.is_file())
+        assert f"about {max(size / 1024, 1):.0f} KiB needed" in msg
     assert f"{first} is intact" in msg and "partial one was removed" in msg
     assert not list(RunDir(tmp_path).checkpoints.glob(".*tmp"))
     assert (first / ckpt.MARKER).is_file()
+
+
+def test_a_full_disk_under_an_export_or_cache_file_says_how_much_it_needed(
+    tmp_path, monkeypatch
+):
+    import safetensors.torch
+
+    from kit.io import save_tensors
+
+    def full(tensors, path, metadata=None):
+        Path(path).write_bytes(b"partial")
+        raise RuntimeError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(KitError) as e:
+        save_tensors(tmp_path / "lora.safetensors", {"w": torch.zeros(1024, 1024)})
+    msg = str(e.value)
+    assert msg.startswith("could not write lora.safetensors: cannot write ")
+    assert str(tmp_path) in msg and "about 4.0 MiB needed" in msg and "free there" in msg
+    assert list(tmp_path.iterdir()) == []  # the partial file is gone
 
 
 def test_unexpected_errors_are_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):

@@ -53,10 +53,10 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import load, load_file, save, save_file
+from safetensors.torch import load, load_file, save
 
 from kit.errors import DataError
-from kit.io import write_json, write_with
+from kit.io import save_tensors, write_json
 
 SHARD_ENTRIES = 500
 """Entries per shard: a dataset of N images writes about N/500 latent shards."""
@@ -97,7 +97,7 @@ class FileStore:
         return load_file(path)
 
     def put(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
-        write_with(path, lambda tmp: save_file(tensors, str(tmp)))
+        save_tensors(path, tensors)
 
     def put_many(self, items: Iterable[tuple[Path, dict[str, torch.Tensor]]]) -> None:
         for path, tensors in items:
@@ -339,7 +339,7 @@ class ShardStore:
                 crcs[key] = crc
         meta = {"format": FORMAT, "compression": self.compression}
         path = folder.dir / name
-        write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        save_tensors(path, tensors, meta)
         info = {"size": path.stat().st_size, "entries": crcs}
         folder.written[name] = info
         folder.shards[name] = info

@@ -198,6 +198,28 @@ def _embedding_lines(
     return lines
 
 
+FORMAT_USE = {
+    "diffusers": "diffusers (`pipe.load_lora_weights`)",
+    "kohya": "ComfyUI, AUTOMATIC1111 / Forge",
+    "embedding": "ComfyUI, AUTOMATIC1111 / Forge, diffusers (`load_textual_inversion`)",
+    "peft": "peft (`PeftModel.from_pretrained`)",
+}
+"""Which clients a file of each format is for, where its export left no record of its checks."""
+
+
+def file_use(run: RunDir, fmt: str, path: str) -> str:
+    """Which clients the file is for: what its export's check recorded (`use_in` of its
+    verify.json, the clients whose rules it passed), else the format's usual clients."""
+    record = run.exports / fmt / f"{Path(path).stem}.verify.json"
+    try:
+        use = json.loads(record.read_text(encoding="utf-8")).get("use_in") or []
+    except (OSError, ValueError, AttributeError):
+        use = []
+    if use:
+        return "; ".join(str(u) for u in use)
+    return FORMAT_USE.get(fmt, f"{fmt} clients")
+
+
 def client_usage(method: Method, files: dict[str, list[str]]) -> str:
     """Which file goes where for ComfyUI and AUTOMATIC1111 / Forge."""
     if files.get("embedding"):
@@ -313,8 +335,10 @@ def model_card(
         if trigger
         else "None: the training captions named no trigger word."
     )
-    listed = [f"- `{p}` ({fmt})" for fmt, paths in files.items() for p in paths]
-    out += ["", "## Files", "", *listed]
+    listed = [
+        f"| `{p}` | {fmt} | {file_use(run, fmt, p)} |" for fmt, paths in files.items() for p in paths
+    ]
+    out += ["", "## Files", "", "| file | format | load it in |", "| --- | --- | --- |", *listed]
     out += ["", "## Use it in diffusers", ""]
     out.append(diffusers_usage(family, method, files, repo, base or "<base model>", prompt))
     if not base:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from kit.config import Config, load_config
@@ -25,7 +24,7 @@ from kit.errors import KitError
 from kit.families import Components, Family, get_family
 from kit.families.identity import public_name
 from kit.families.loading import load_base
-from kit.io import atomic_dir, write_json, write_with
+from kit.io import atomic_dir, save_tensors, write_json
 from kit.methods import get_method
 from kit.precision import DTYPES
 from kit.run import checkpoint as ckpt
@@ -128,7 +127,7 @@ def merge(
     if fmt == "single_file":
         state = family.single_file_state_dict(comps)
         meta = {**model_spec(cfg, family), **record}
-        write_with(path, lambda tmp: save_file(state, str(tmp), metadata=meta))
+        save_tensors(path, state, meta)
         del state
         reloaded = family.single_file_pipeline(path, config_source)
     else:

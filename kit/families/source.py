@@ -13,6 +13,7 @@ import json
 import os
 import re
 import socket
+import warnings
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -156,12 +157,28 @@ def _check_hub(family: Any, repo: str, revision: str | None) -> None:
             )
     if isinstance(cached, str) and (offline or not _hub_reachable()):
         check_family(_read_index(Path(cached), where), family, "pretrained_model", repo)
+        if not offline:
+            go_offline(repo)
         return
     try:
         got = hf_hub_download(repo, "model_index.json", revision=revision)
     except Exception as e:  # noqa: BLE001 (every hub failure becomes one line below)
         raise KitError(hub_error(e, repo, revision) + local) from None
     check_family(_read_index(Path(got), where), family, "pretrained_model", repo)
+
+
+def go_offline(repo: str) -> None:
+    """The hub cannot be reached but `repo` is in the local cache: load it from there at once.
+    Without this, every file the loaders ask for is retried against the hub first (about 25 s
+    each time before the cache is used). Set for this process and the processes it starts."""
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants.HF_HUB_OFFLINE = True  # read at each request (`constants.is_offline_mode`)
+    warnings.warn(
+        f"the hub cannot be reached: '{repo}' is loaded from the local hub cache (offline)",
+        stacklevel=3,
+    )
 
 
 def hub_error(e: BaseException, repo: str, revision: str | None = None) -> str:

@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import Components, Family, adapter_keys
-from kit.io import write_with
+from kit.io import save_tensors
 from kit.methods import register
 from kit.methods.base import (
     Apply,
@@ -370,7 +369,7 @@ class Adapter(Method):
         }
         metadata = {k: v for k, v in metadata.items() if v != ""}
         path = out / f"{name}.safetensors"
-        write_with(path, lambda t: save_file(tensors, str(t), metadata=metadata))
+        save_tensors(path, tensors, metadata)
         return path
 
 
@@ -381,7 +380,7 @@ def _write_diffusers(family: Family, layers, configs, meta, out: Path, part: str
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             metadata = {**(f.metadata() or {}), **meta}
         path = out / (f"{written.stem}_{part}{written.suffix}" if part else written.name)
-        write_with(path, lambda t: save_file(tensors, str(t), metadata=metadata))
+        save_tensors(path, tensors, metadata)
     return path
 
 

@@ -148,6 +148,36 @@ def set_rng_state(state: dict[str, Any], generator: torch.Generator) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor in a (nested) state."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def _checkpoint_bytes(
+    adapter: dict[str, torch.Tensor],
+    optimizer: Any,
+    ema_weights: dict[str, torch.Tensor] | None,
+    previous: list[Path],
+) -> int:
+    """About how much a checkpoint needs on disk: the last complete one's size where there is
+    one (it holds the same states), else the tensors being written."""
+    if previous:
+        return sum(f.stat().st_size for f in previous[-1].rglob("*") if f.is_file())
+    total = _tensor_bytes(adapter) + _tensor_bytes(ema_weights or {})
+    if optimizer is not None:
+        try:
+            total += _tensor_bytes(optimizer.state_dict())
+        except Exception:  # noqa: BLE001 (an estimate only)
+            pass
+    return total
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -198,7 +228,8 @@ def save_checkpoint(
             if previous
             else "no earlier checkpoint exists"
         )
-        why = disk_problem(e, tmp.parent) or str(e)
+        need = _checkpoint_bytes(adapter, optimizer, ema_weights, previous)
+        why = disk_problem(e, tmp.parent, needed=need) or str(e)
         raise KitError(
             f"could not write the checkpoint of step {step} ({why}); the partial one was "
             f"removed; {kept}"

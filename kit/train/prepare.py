@@ -28,6 +28,7 @@ from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.run.folder import RunDir
+from kit.run.owned import clear_run, note_outputs, refuse_mixed_runs
 from kit.sample.embedded import embedded_keys, prompt_texts, takes_embeddings
 from kit.sample.validate import default_prompts, image_specs, pair_prompts
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
@@ -37,7 +38,7 @@ from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.preserve import Preserver, check_preservation
-from kit.train.resume import check_resume, check_shape, clear_run, refuse_mixed_runs, restore
+from kit.train.resume import check_resume, check_shape, restore
 from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
 from kit.train.step import check_compile, compile_denoiser
@@ -86,6 +87,8 @@ def prepare(
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     check_shape(cfg, resume_from)  # another adapter's checkpoint: refused before any work
     refuse_mixed_runs(run, resume, overwrite)
+    if accelerator.is_main_process:  # before the run writes anything: what it creates is its own
+        note_outputs(run)
     # Before any work on the CPU (class images, the cache): see kit.run.threads.
     cpu = threads.for_run(t.cpu_threads, resume_from)
     if cpu.changed:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
-import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -174,48 +172,6 @@ def truncate_metrics(run: RunDir, step: int) -> None:
     """Drop logged rows past the resumed step: those steps are trained again."""
     rows = [r for r in run.read_metrics() if r.get("step", 0) <= step]
     write_text(run.metrics, "".join(json.dumps(r) + "\n" for r in rows))
-
-
-# What a run writes into each of its folders, by name: `--overwrite` removes these and nothing
-# else, so a folder of the user's own (a project's `validation/`) keeps every file of theirs.
-_KIT_NAMED = re.compile(r"step-\d+|\.step-\d+.*\.tmp|.+-scales")
-
-
-def _kit_entries(folder: Path) -> list[Path]:
-    """The entries of `folder` that a run wrote (checkpoints, grids), by the names it gives them."""
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.is_dir() and _KIT_NAMED.fullmatch(p.name))
-
-
-def _old_run_files(run: RunDir) -> list[Path]:
-    """What an earlier run left in `run`: its checkpoints, metrics and validation grids."""
-    found = _kit_entries(run.checkpoints) + _kit_entries(run.validation)
-    return found + [p for p in (run.metrics,) if p.is_file()]
-
-
-def refuse_mixed_runs(run: RunDir, resume: str | None, overwrite: bool) -> None:
-    """A new run may not write into an old one's folder unless asked to replace it."""
-    if not resume and not overwrite and _old_run_files(run):
-        raise KitError(
-            f"{run.root} already holds a run; resume it (--resume latest), "
-            "choose another output_dir, or pass --overwrite to replace it (only the run's own "
-            "checkpoints, metrics and grids are removed)"
-        )
-
-
-def clear_run(run: RunDir) -> None:
-    """Delete an earlier run's checkpoints, metrics and images (only once the new run can
-    start): only what a run writes, by its names; a folder is removed only once it is empty,
-    so nothing of the user's in it goes with them."""
-    for p in _old_run_files(run):
-        if p.is_dir():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-    for folder in (run.checkpoints, run.validation):
-        with contextlib.suppress(OSError):
-            folder.rmdir()  # only when empty
 
 
 def _inside(path: Path, folder: Path) -> bool:
