@@ -400,6 +400,9 @@ def test_exports_say_their_clients_and_a_failed_one_is_moved_aside(
     )
     record = json.loads(next((run.exports / "diffusers").glob("*.verify.json")).read_text())
     assert record["use_in"][0].startswith("diffusers")
+    # A run without a kohya file (Flux or SD3 DoRA) says that none of its files is for ComfyUI.
+    alone = writer.use_in("diffusers", writer.Verification(1, 0, 0.0, True), ("diffusers",))
+    assert "ComfyUI, A1111 and Forge: no file of this run loads there exactly" in alone[1]
 
     monkeypatch.setattr(
         writer, "verify_export", lambda *a, **k: writer.Verification(1, 90, 9.0, False)

@@ -199,7 +199,12 @@ def use_in(fmt: str, v: Verification, formats: tuple[str, ...]) -> list[str]:
     if fmt == "kohya":
         return [c["client"] for c in v.clients if c["passed"]] or ["no client checked"]
     if fmt == "diffusers":
-        rest = ["ComfyUI, A1111 and Forge: use the kohya file"] if "kohya" in formats else []
+        rest = [
+            "ComfyUI, A1111 and Forge: use the kohya file"
+            if "kohya" in formats
+            else "ComfyUI, A1111 and Forge: no file of this run loads there exactly (they read "
+            "none of this file's names, or skip what it trained)"
+        ]
         return ["diffusers (pipe.load_lora_weights)", *rest]
     return [f"{fmt} clients"]
 
