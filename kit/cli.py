@@ -227,6 +227,12 @@ def _print_learning(report: dict, path: Path) -> None:
             print(
                 f"learned color: {d['concept_color_distance']} RGB units from the data's "
                 f"(concept on trigger prompts {d['concept_rate_after']:.0%})"
+                + (
+                    f"; the base's VAE alone brings the data's color back "
+                    f"{d['concept_color_floor']} units off"
+                    if d.get("concept_color_floor") is not None
+                    else ""
+                )
             )
     for name, why in report.get("skipped", {}).items():
         print(f"{name}: not drawn ({why})")

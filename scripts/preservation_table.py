@@ -39,6 +39,10 @@ SETTINGS: dict[str, dict] = {
     "none lr2e-3": {"learning_rate": 0.002},
     "output w2 lr2e-3": _output(2.0, learning_rate=0.002),
     "output w4 lr2e-3": _output(4.0, learning_rate=0.002),
+    "output w3 lr1.5e-3": _output(3.0, learning_rate=0.0015),
+    "output w4 lr2e-3 prior_prediction": _output(4.0, learning_rate=0.002, _split=True),
+    "output w6 lr3e-3": _output(6.0, learning_rate=0.003),
+    "output w4 lr2e-3 160 steps": _output(4.0, learning_rate=0.002, max_train_steps=160),
 }
 """Setting name → the demo config's overrides (`_split`: prior images as a base-prediction set)."""
 

@@ -142,6 +142,9 @@ def test_demo_fine_tune_teaches_the_concept(tmp_path):
         assert drift[key] == pytest.approx(value, abs=1.0), (key, drift, check["drift"])
     assert drift["concept_rate_after"] == check["trigger_after"]["concept_rate"]
     assert drift["unrelated_color_after"] == check["unrelated_after"]["color"]
+    # The base's own VAE brings the data's pink back paler (about 79 units off at 64 px): the
+    # learned color's distance is read against that floor.
+    assert 60 <= drift["concept_color_floor"] <= 100, drift
     # The pink drifts the unrelated prompts' colors: the distances say so where rates do not.
     assert drift["color_drift"] > 2 * drift["color_error_before"], drift
 

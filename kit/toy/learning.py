@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,8 @@ def drift(
         concept,
     )
     out["n"] = n
+    if concept in toyworld.CONCEPT_COLORS and getattr(pipe, "vae", None) is not None:
+        out["concept_color_floor"] = vae_color_floor(pipe.vae, scenes["trigger"], concept, side)
     for label in ("before", "after"):
         trig = verdicts[f"trigger_{label}"]
         out[f"concept_rate_{label}"] = round(sum(v[slot] == concept for v in trig) / n, 4)
@@ -218,6 +221,28 @@ def drift(
                 verdicts[f"unrelated_{label}"], scenes["unrelated"], attr
             )
     return out
+
+
+def vae_color_floor(vae: Any, scenes: list[toyworld.Scene], concept: str, side: int) -> float:
+    """How near the base's own VAE brings the concept's color back: the median distance of the
+    color in each scene's encoded-and-decoded image to the data's. No adapter draws through that
+    VAE nearer than this (the learned color's distance is to be read against it)."""
+    import numpy as np
+    import torch
+
+    target = toyworld.CONCEPT_COLORS[concept]
+    images = [toyworld.render(sc, side, side) for sc in scenes]
+    param = next(vae.parameters())
+    x = torch.from_numpy(np.stack([np.asarray(im) for im in images])).permute(0, 3, 1, 2)
+    x = (x.to(param.device, torch.float32) / 127.5 - 1).to(param.dtype)
+    with torch.no_grad():
+        out = vae.decode(vae.encode(x).latent_dist.mode()).sample.float()
+    pixels = ((out.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
+    rgbs = [judge(p.cpu().numpy())["rgb"] for p in pixels]
+    distances = [
+        sum((a - b) ** 2 for a, b in zip(c, target, strict=True)) ** 0.5 for c in rgbs if c
+    ]
+    return round(statistics.median(distances), 1) if distances else None
 
 
 def _load(path: Path) -> Any:
@@ -248,6 +273,7 @@ def summary(report: dict[str, Any]) -> dict[str, float]:
             "color_error_before",
             "color_error_after",
             "concept_color_distance",
+            "concept_color_floor",
         ):
             if key in d:
                 out[key] = d[key]
