@@ -23,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "datasets_example" / "config.json"
 PINK = {"zorbic": "pink"}
+BEFORE = {"preservation": None, "learning_rate": 0.001}
+"""The demo config as it was before it adopted output preservation: each setting's baseline,
+so the table compares one change at a time (the demo's own setting is `output w3 lr1.5e-3`)."""
 
 
 def _output(weight: float, **more: object) -> dict:
@@ -74,7 +77,8 @@ def run_setting(name: str, out: Path, seeds: int, extra: dict) -> dict:
     if split:
         changes.update(image_dir="", prior_images=[], datasets=split_dataset(out / "data"))
     run = out / "run"
-    cfg = load_config(DEMO, {"output_dir": str(run), "validation_steps": 0, **changes})
+    overrides = {**BEFORE, "output_dir": str(run), "validation_steps": 0, **changes}
+    cfg = load_config(DEMO, overrides)
     started = time.perf_counter()
     train(cfg, overwrite=True)
     seconds = time.perf_counter() - started

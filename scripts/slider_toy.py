@@ -87,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     run = out / "run"
     extra = {k: json.loads(v) for k, v in args.set}
-    cfg = load_config(
-        DEMO, {"output_dir": str(run), "validation_steps": 0, "slider": SLIDER, **extra}
-    )
+    # A slider trains from its prompt pair alone: the demo's preservation is not part of it,
+    # and its learning rate is the one the slider was measured at.
+    fields = {"preservation": None, "learning_rate": 0.001, "output_dir": str(run)}
+    cfg = load_config(DEMO, {**fields, "validation_steps": 0, "slider": SLIDER, **extra})
     train(cfg, overwrite=True)
     scales = cfg.objective.slider.scales
     grid = draw_checkpoint(run, scales=scales, prompts=[cfg.objective.slider.target])
