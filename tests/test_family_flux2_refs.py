@@ -93,14 +93,19 @@ def test_reference_sizes_are_the_pipelines(bases):
         reference_pixels(Image.new("RGB", (48, 64)))
 
 
-@pytest.mark.parametrize("references", [1, 2])
-@pytest.mark.parametrize("which", ["dev", "klein"])
-def test_training_inputs_with_references_are_the_pipelines(which, references, bases, tmp_path):
+@pytest.mark.parametrize(
+    ("which", "references", "sampling"),
+    [("dev", 1, "mean"), ("dev", 2, "mean"), ("klein", 1, "mean"), ("klein", 2, "sample")],
+)
+def test_training_inputs_with_references_are_the_pipelines(
+    which, references, sampling, bases, tmp_path
+):
     """THE test: one cached training pair through `predict`, and the pipeline's first step for
     the same reference images, caption, size, noise and timestep: every transformer input is
-    equal (`torch.equal`), and the prediction is the target's tokens of the output."""
+    equal (`torch.equal`), and the prediction is the target's tokens of the output. With
+    `latent_sampling: sample` too: references are encoded to the mode, as the pipelines do."""
     files = _pairs(tmp_path, references)
-    cfg = _cfg(tmp_path, bases[which], references)
+    cfg = _cfg(tmp_path, bases[which], references, latent_sampling=sampling)
     family = get_family("flux2", cfg)
     comps = family.load(str(bases[which]))
     data = plan_cache(cfg, comps.identity, torch.float32, family=family)
@@ -156,6 +161,17 @@ def test_training_inputs_with_references_are_the_pipelines(which, references, ba
     from kit.families.flux2 import unpatchify
 
     assert torch.equal(pred, unpatchify(out))
+
+
+def test_the_estimate_counts_configured_references(bases, tmp_path):
+    """`kit estimate`'s inputs: each configured reference adds its tokens (at the target's size)
+    after the target's, with its ids."""
+    _pairs(tmp_path, 2)
+    for references in (0, 2):
+        family = get_family("flux2", _cfg(tmp_path, bases["dev"], references))
+        parts = family.empty_parts(str(bases["dev"]))
+        (tokens,), kwargs = family.denoiser_inputs(parts, 1, SIDE, SIDE)
+        assert tokens.shape[1] == kwargs["img_ids"].shape[1] == 16 * (1 + references)
 
 
 def test_validation_draws_references_through_image(bases, tmp_path):
