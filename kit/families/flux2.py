@@ -41,7 +41,6 @@ KLEIN_SIZES = {7680: "4B", 12288: "9B"}
 MAX_REFERENCES = 10
 REFERENCE_AREA = 1024 * 1024
 REFERENCE_MULTIPLE = 16
-# Each reference's ids start at time 10 + 10·i (`_prepare_image_ids`'s default scale).
 
 
 @functools.lru_cache(maxsize=32)
@@ -165,7 +164,8 @@ def reference_pixels(image: Any) -> torch.Tensor:
 def with_references(kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
     """`transformer_inputs` with reference latents (unpatchified, normalised, one tensor per
     reference) as the pipelines' `prepare_image_latents` adds them: each patchified and packed,
-    all after the target's tokens, with ids whose time coordinate is 10, 20, ... per reference."""
+    all after the target's tokens, with ids whose time coordinate is 10, 20, ... per reference
+    (`_prepare_image_ids`'s default scale of 10)."""
     from diffusers import Flux2Pipeline
 
     if not references:
