@@ -163,6 +163,18 @@ def test_training_inputs_with_references_are_the_pipelines(
     assert torch.equal(pred, unpatchify(out))
 
 
+def test_datasets_with_different_reference_counts_need_batches_of_one(tmp_path):
+    from kit.config import Config
+    from kit.errors import ConfigError
+
+    refs = [str(tmp_path / "refs0"), str(tmp_path / "refs1")]
+    sets = [{"image_dir": str(tmp_path / "a"), "control_dir": refs}, {"image_dir": str(tmp_path)}]
+    cfg = Config().replace(model_family="flux2", datasets=sets, train_batch_size=2)
+    with pytest.raises(ConfigError, match="give 0 or 2 reference image"):
+        get_family("flux2", cfg)
+    get_family("flux2", cfg.replace(train_batch_size=1))  # each batch one sample: any count
+
+
 def test_the_estimate_counts_configured_references(bases, tmp_path):
     """`kit estimate`'s inputs: each configured reference adds its tokens (at the target's size)
     after the target's, with its ids."""

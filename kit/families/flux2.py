@@ -248,6 +248,14 @@ class Flux2(Family):
             raise ConfigError(
                 f"bucket_step: {step} must be a multiple of 16 for flux2 (64 is usual)"
             )
+        counts = sorted({len(d.control_dir) for d in self.cfg.data.datasets})
+        if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
+            # A batch stacks each reference's latents: its samples need one count of them.
+            raise ConfigError(
+                f"datasets: their control_dir lists give {' or '.join(map(str, counts))} "
+                "reference image(s) per target, but a flux2 batch takes one count: give every "
+                "dataset as many control folders, or set train_batch_size 1"
+            )
 
     # ------------------------------------------------------------ variants
 
