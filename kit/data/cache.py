@@ -281,8 +281,8 @@ def plan_cache(
     variant_files = [[text_file(t) for t in ts] for ts in texts]
     # A control is keyed like its target: its bytes, the target's placement (its crop and mirror
     # are the control's) and the family whose pipeline rule resizes it; an edited control misses
-    # its own entry only.
-    rule = ("control", cfg.model.model_family, str(LATENT_DTYPE), *drawn)
+    # its own entry only. Never a posterior sample: the pipelines encode controls to the mode.
+    rule = ("control", cfg.model.model_family, str(LATENT_DTYPE))
     control_files = [
         [latent_dir / f"{_key(file_digest(c), p.record(), *rule)}.safetensors" for c in s.controls]
         for s, p in zip(samples, plan.placements, strict=True)
@@ -428,7 +428,9 @@ def _encode_missing(
             bad[i] = str(e)
             continue
         pixels = family.control_pixels(image).unsqueeze(0).to(device)
-        lat = family.encode_images(comps, pixels, **posterior_draw(cfg, f))[0]
+        # The posterior's mean, whatever `latent_sampling`: the pipelines encode a control
+        # with `sample_mode="argmax"`, and training should see what inference feeds.
+        lat = family.encode_images(comps, pixels)[0]
         data.store.put(f, {"latents": lat.float().cpu().contiguous()})
         stats["latents_encoded"] += 1
     if todo or todo_controls:

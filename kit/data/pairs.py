@@ -158,12 +158,8 @@ def check_batchable(
     sizes: dict[tuple[Any, int], dict[tuple[int, int], Path]] = {}
     for sample, placement in zip(samples, placements, strict=True):
         for r, control in enumerate(sample.controls):
-            w, h = probe(control, cfg.max_image_pixels)
-            box = _crop_box((w, h), placement)
-            if box is not None:
-                w, h = box[2] - box[0], box[3] - box[1]
             seen = sizes.setdefault((placement.bucket, r), {})
-            seen.setdefault(family.control_size(w, h), Path(control))
+            seen.setdefault(resized_control(control, placement, family, cfg), Path(control))
             if len(seen) > 1:
                 (a, fa), (b, fb) = list(seen.items())[:2]
                 raise DataError(
@@ -171,3 +167,13 @@ def check_batchable(
                     f"{family.name} pipeline resizes to {a} and {b}: give each control its "
                     "target's aspect ratio, or train with train_batch_size 1"
                 )
+
+
+def resized_control(path: Path, placement: Any, family: Any, cfg: DataConfig) -> tuple[int, int]:
+    """The (width, height) a control trains at: cropped as its target was, then resized by the
+    family's pipeline rule (`Family.control_size`). Reads the image's header only."""
+    w, h = probe(path, cfg.max_image_pixels)
+    box = _crop_box((w, h), placement)
+    if box is not None:
+        w, h = box[2] - box[0], box[3] - box[1]
+    return family.control_size(w, h)

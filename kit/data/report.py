@@ -11,9 +11,9 @@ from kit.config import Config
 from kit.data.buckets import epoch_batches, group_name, plan_dataset
 from kit.data.datasets import views
 from kit.data.masks import masked, plan_masks
-from kit.data.pairs import unpaired
+from kit.data.pairs import resized_control, unpaired
 from kit.data.scan import check_dataset
-from kit.families import family_info
+from kit.families import family_class, family_info
 
 
 def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
@@ -49,6 +49,15 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
         )
         if any(samples[i].controls for i in idx):  # an edit model's pairs: each file's controls
             row["controls"] = [[str(c) for c in samples[i].controls] for i in idx]
+            # ... and the size each control trains at: the target's crop, the pipeline's resize.
+            sizer = _control_sizer(cfg, family)
+            row["control_sizes"] = [
+                [
+                    _wxh(resized_control(c, plan.placements[i], sizer, cfg.data))
+                    for c in samples[i].controls
+                ]
+                for i in idx
+            ]
         if video:  # a clip's windows are samples of their own: `count` counts windows
             row["clips"] = len({samples[i].image for i in idx if samples[i].clip})
         buckets.append(row)
@@ -77,6 +86,16 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
         # Micro-batches carry over epoch ends, so the run needs steps × accumulation batches.
         "epochs": math.ceil(t.max_train_steps * accum / per_process) if per_process else None,
     }
+
+
+def _control_sizer(cfg: Config, family: Any) -> Any:
+    """Something with the family's `control_size` rule: the family itself, else its class (the
+    facts alone do not hold the rule; only a paired dataset imports the class)."""
+    return family if hasattr(family, "control_size") else family_class(family.name)(cfg)
+
+
+def _wxh(size: tuple[int, int]) -> str:
+    return f"{size[0]}x{size[1]}"
 
 
 def _datasets(cfg: Config, samples: list, plan: Any) -> list[dict[str, Any]]:
@@ -148,6 +167,32 @@ def report_figure(report: dict[str, Any]):
     return fig
 
 
+def pair_lines(bucket: dict[str, Any]) -> list[str]:
+    """An edit dataset's bucket: how many pairs, and the sizes their controls train at."""
+    if "control_sizes" not in bucket:
+        return []
+    sizes = Counter(" + ".join(s) for s in bucket["control_sizes"] if s)
+    said = ", ".join(f"{k} ({n})" for k, n in sorted(sizes.items()))
+    return [f"{'':>14}  pairs: {sum(sizes.values())}, controls resized to {said}"]
+
+
+def pair_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every pair of the report: its target's bucket, the target, its controls and the size
+    each control trains at."""
+    return [
+        {
+            "bucket": b["bucket"],
+            "target": Path(f).name,
+            "controls": ", ".join(Path(c).name for c in cs),
+            "control size": ", ".join(sizes),
+        }
+        for b in report["buckets"]
+        if "control_sizes" in b
+        for f, cs, sizes in zip(b["files"], b["controls"], b["control_sizes"], strict=True)
+        if cs
+    ]
+
+
 def report_lines(report: dict[str, Any]) -> list[str]:
     """The report as a plain-text table and summary."""
     lines = []
@@ -164,6 +209,7 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             f"{b['bucket']:>14}  {b['aspect']:>6}  {b['count']:>6}  {b['repeats']:>7}  "
             f"{b['per_epoch']:>9}"
         )
+        lines += pair_lines(b)
     if report.get("clips"):
         lines.append(f"{report['clips']} clip(s) → {report['windows']} window(s)")
     for d in report["dropped"]:

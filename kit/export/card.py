@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kit.config import Config
+from kit.export.edits import EditExample
 from kit.export.resize import RESIZE_RECORD
 from kit.families import Family, get_family
 from kit.families.identity import public_name
@@ -290,13 +291,16 @@ def model_card(
     repo: str = "<user>/<repo>",
     step: int | None = None,
     license: str | None = None,
+    edits: Sequence[EditExample] = (),
+    edit_image: str | None = None,
 ) -> str:
     """README.md of a pushed run.
 
     `files`: export format → the pushed files' paths in the repository (embeddings in the
     order of the placeholder tokens); `grid` and `samples`
     ((prompt, path) each): the sample images' paths there; `step`: the exported checkpoint's
-    (default: the latest).
+    (default: the latest); `edits` and `edit_image`: an edit run's examples (`edit_examples`)
+    and their figure's path there (`edit_figure`).
     """
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)
@@ -351,7 +355,32 @@ def model_card(
         prompts = list(dict.fromkeys(p for p, _ in samples))
         if prompts:
             out += ["", "Prompts, one per row: " + "; ".join(f"`{p}`" for p in prompts) + "."]
+    if edit_image:
+        out += ["", *edit_section(edits, edit_image)]
     return "\n".join(out) + "\n"
+
+
+def edit_section(edits: Sequence[EditExample], image: str) -> list[str]:
+    """An edit run's examples: control → base → result, and the instructions drawn."""
+    base = any(e.base is not None for e in edits)
+    lines = [
+        "## Edits",
+        "",
+        "Each row is one instruction: its control image(s), then "
+        + ("the base model's result (the adapter off), then " if base else "")
+        + "this adapter's result, drawn with the same seed.",
+        "",
+        f"![control → {'base → ' if base else ''}result]({image})",
+        "",
+        "Instructions, one per row: " + "; ".join(f"`{e.prompt}`" for e in edits) + ".",
+    ]
+    if not base:
+        lines += [
+            "",
+            "The base model's result is not shown: notebook 05 draws it "
+            "(`draw_checkpoint(run, scales=[0, 1])`) before the run is pushed.",
+        ]
+    return lines
 
 
 __all__ = [

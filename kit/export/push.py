@@ -21,12 +21,13 @@ from safetensors import safe_open
 from kit.config import Config, load_config
 from kit.errors import KitError
 from kit.export.card import PROJECT, model_card
+from kit.export.edits import edit_examples, edit_figure
 from kit.export.writer import export
 from kit.families import get_family
 from kit.io import atomic_dir
 from kit.methods import get_method
 from kit.run import checkpoint as ckpt
-from kit.run.folder import RunDir, open_run
+from kit.run.folder import RunDir, open_run, step_of
 from kit.sample.validate import read_sidecar
 
 DRY_RUN_FOLDER = "hub"
@@ -249,7 +250,24 @@ def assemble(
     grid_src, pairs = sample_images(run, step)
     grid = _place(grid_src, folder, f"{IMAGES}/grid.png") if grid_src else None
     samples = [(p, _place(png, folder, f"{IMAGES}/{png.name}")) for p, png in pairs[:MAX_SAMPLES]]
-    card = model_card(run, cfg, files, grid, samples=samples, repo=repo, step=step, license=license)
+    # An edit run: control → base → result at the grid's step, as one figure.
+    edits = edit_examples(run, [step_of(grid_src.parent)]) if grid_src else []
+    figure = edit_figure(edits)
+    edit_image = f"{IMAGES}/edits.png" if figure is not None else None
+    if figure is not None:
+        figure.save(folder / edit_image)
+    card = model_card(
+        run,
+        cfg,
+        files,
+        grid,
+        samples=samples,
+        repo=repo,
+        step=step,
+        license=license,
+        edits=edits,
+        edit_image=edit_image,
+    )
     (folder / "README.md").write_text(card, encoding="utf-8")
     return step
 

@@ -14,12 +14,14 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from PIL import Image
 
-from kit.errors import ConfigError
+from kit.errors import ConfigError, DataError
 from kit.families import adapter_keys, flux2_layout, flux2_tiny, register
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
@@ -33,6 +35,12 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512  # both pipelines' default text length
 DEV, KLEIN = "Flux2Pipeline", "Flux2KleinPipeline"
 # klein's size by its text width (3 stacked hidden states of Qwen3 4B / 8B).
 KLEIN_SIZES = {7680: "4B", 12288: "9B"}
+# Reference images: the pipelines take a list of any length; BFL publishes up to 10 for dev
+# (klein's guide says 4). Each is shrunk to about a megapixel when larger, then cropped to
+# multiples of 16 (the VAE's 8 × the 2×2 patches), as the pipelines' step 4 does.
+MAX_REFERENCES = 10
+REFERENCE_AREA = 1024 * 1024
+REFERENCE_MULTIPLE = 16
 
 
 @functools.lru_cache(maxsize=32)
@@ -127,6 +135,62 @@ def transformer_inputs(
     }
 
 
+def reference_size(width: int, height: int) -> tuple[int, int]:
+    """The (width, height) the pipelines feed a reference of this size at: above a megapixel
+    shrunk to about one (aspect kept, sides truncated), then cut down to multiples of 16."""
+    if width * height > REFERENCE_AREA:
+        scale = math.sqrt(REFERENCE_AREA / (width * height))
+        width, height = int(width * scale), int(height * scale)
+    m = REFERENCE_MULTIPLE
+    return width // m * m, height // m * m
+
+
+def reference_pixels(image: Any) -> torch.Tensor:
+    """A reference image (PIL) as the pipelines feed it to the VAE: their size check, their
+    LANCZOS shrink above a megapixel, their centre crop to multiples of 16; (3, H, W) in [-1, 1]."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    try:  # under 64 px a side or beyond 8:1 the pipelines refuse the image
+        Flux2ImageProcessor.check_image_input(image)
+    except ValueError as e:
+        raise DataError(f"reference image refused as the FLUX.2 pipelines refuse it: {e}") from None
+    if image.width * image.height > REFERENCE_AREA:
+        image = Flux2ImageProcessor._resize_to_target_area(image, REFERENCE_AREA)
+    width, height = reference_size(image.width, image.height)
+    processor = Flux2ImageProcessor(vae_scale_factor=REFERENCE_MULTIPLE)
+    return processor.preprocess(image, height=height, width=width, resize_mode="crop")[0]
+
+
+def with_references(kwargs: dict[str, Any], references: list[torch.Tensor]) -> dict[str, Any]:
+    """`transformer_inputs` with reference latents (unpatchified, normalised, one tensor per
+    reference) as the pipelines' `prepare_image_latents` adds them: each patchified and packed,
+    all after the target's tokens, with ids whose time coordinate is 10, 20, ... per reference
+    (`_prepare_image_ids`'s default scale of 10)."""
+    from diffusers import Flux2Pipeline
+
+    if not references:
+        return kwargs
+    target = kwargs["hidden_states"]
+    b, device, dtype = target.shape[0], target.device, target.dtype
+    patches = [patchify(r.to(device, dtype)) for r in references]
+    # The pipelines build one reference's ids and repeat them over the batch.
+    ids = Flux2Pipeline._prepare_image_ids([p[:1] for p in patches]).to(device)
+    tokens = [Flux2Pipeline._pack_latents(p) for p in patches]
+    return {
+        **kwargs,
+        "hidden_states": torch.cat([target, *tokens], dim=1),
+        "img_ids": torch.cat([kwargs["img_ids"], ids.repeat(b, 1, 1)], dim=1),
+    }
+
+
+def references_of(cond: dict[str, Any]) -> list[torch.Tensor]:
+    """A batch's reference latents in order (the cache's `control_latents_0`, `_1`, ...)."""
+    out = []
+    while f"control_latents_{len(out)}" in cond:
+        out.append(cond[f"control_latents_{len(out)}"])
+    return out
+
+
 def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Packed patch tokens back to unpatchified (B, C, height, width) latents."""
     b, _, channels = tokens.shape
@@ -171,6 +235,10 @@ class Flux2(Family):
     modelspec_implementation = "https://github.com/black-forest-labs/flux2"
     export_formats = ("diffusers", "kohya")
     variants = ("dev", "klein 4B", "klein 9B", "klein base 4B", "klein base 9B")
+    # Reference images are optional: a dataset with `control_dir` (one folder per reference)
+    # trains with them, one without trains text-to-image.
+    control_images = MAX_REFERENCES
+    needs_control = False
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
@@ -179,6 +247,14 @@ class Flux2(Family):
             # Patchifying needs an even latent side: 2 × the VAE's 8x.
             raise ConfigError(
                 f"bucket_step: {step} must be a multiple of 16 for flux2 (64 is usual)"
+            )
+        counts = sorted({len(d.control_dir) for d in self.cfg.data.datasets})
+        if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
+            # A batch stacks each reference's latents: its samples need one count of them.
+            raise ConfigError(
+                f"datasets: their control_dir lists give {' or '.join(map(str, counts))} "
+                "reference image(s) per target, but a flux2 batch takes one count: give every "
+                "dataset as many control folders, or set train_batch_size 1"
             )
 
     # ------------------------------------------------------------ variants
@@ -317,7 +393,12 @@ class Flux2(Family):
     @torch.no_grad()
     def encode_images(self, comps, pixels, generator=None):
         vae = comps.vae
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
+        # Laid out channels last, as the pipelines' image processor hands a reference to the
+        # VAE (its HWC array transposed), so the convolutions round as at inference. A copy: a
+        # batch of one already counts as channels last, yet its batch stride changes the kernel.
+        pixels = pixels.to(vae.device, vae.dtype)
+        pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
+        dist = vae.encode(pixels).latent_dist
         patches = patchify(posterior_latent(dist, generator))
         mean, std = bn_stats(vae, patches)
         return unpatchify((patches - mean) / std)
@@ -346,8 +427,16 @@ class Flux2(Family):
             config, noisy, timesteps, cond["prompt_embeds"], self.train_guidance_scale()
         )
         tokens = kwargs["hidden_states"].shape[1]
+        kwargs = with_references(kwargs, references_of(cond))
+        # The pipelines keep the target's tokens of the prediction: the references' follow.
         out = transformer(**kwargs, return_dict=False)[0][:, :tokens]
         return unpack(out, noisy.shape[-2], noisy.shape[-1])
+
+    def control_size(self, width, height):
+        return reference_size(width, height)
+
+    def control_pixels(self, image):
+        return reference_pixels(image)
 
     def swap_blocks(self, denoiser):
         # The double-stream blocks run first, then the single-stream ones.
@@ -390,7 +479,18 @@ class Flux2(Family):
         }
         if spec.adapter_scale != 1.0:
             kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        if spec.control:
+            # The files, so the sidecar can record them; `sample` opens them for the pipeline.
+            kwargs["image"] = list(spec.control)
         return kwargs
+
+    def sample(self, pipe, spec):
+        kwargs = self.call_kwargs(spec)
+        if "image" in kwargs:
+            kwargs["image"] = [Image.open(f).convert("RGB") for f in kwargs["image"]]
+        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+        with torch.no_grad():
+            return [pipe(**kwargs, generator=generator).images[0]]
 
     # ------------------------------------------------------------ memory estimate
 
@@ -416,8 +516,18 @@ class Flux2(Family):
         kwargs = transformer_inputs(
             config, latents, torch.zeros(batch, **meta), embeds, self.train_guidance_scale()
         )
+        # Configured references count as the target's size, resized by the pipelines' rule.
+        rw, rh = reference_size(width, height)
+        shape = (batch, config.in_channels // 4, rh // f * 2, rw // f * 2)
+        references = [torch.zeros(shape, **meta) for _ in range(self._references_configured())]
+        kwargs = with_references(kwargs, references)
         # The packed image tokens go first: the estimator counts positional inputs as block inputs.
         return (kwargs.pop("hidden_states"),), kwargs
+
+    def _references_configured(self) -> int:
+        """The most reference folders a dataset of the config gives each target."""
+        data = self.cfg.data
+        return max([len(data.control_dir), *(len(d.control_dir) for d in data.datasets)])
 
     # ------------------------------------------------------------ tiny copy
 

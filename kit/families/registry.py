@@ -125,6 +125,7 @@ FAMILIES: dict[str, FamilyInfo] = {
             bucket_step=64,
             native_resolution=1024,
             hub_id="black-forest-labs/FLUX.2-dev",
+            control_images=10,  # optional reference images (flux2.MAX_REFERENCES)
         ),
         FamilyInfo(
             "wan",
