@@ -35,8 +35,11 @@ REPRODUCE = textwrap.dedent(
     pipe = getattr(diffusers, spec["pipeline"]).from_pretrained(spec["base_model"], **spec.get("pipeline_kwargs", {}))
     pipe.load_lora_weights(lora)
     kwargs = spec["call_kwargs"]
-    if isinstance(kwargs.get("image"), str):  # an edit model's control, named by its file
-        kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
+    named = kwargs.get("image")  # an edit model's control(s), named by file
+    if isinstance(named, str):
+        kwargs["image"] = Image.open(named).convert("RGB")
+    elif isinstance(named, list):
+        kwargs["image"] = [Image.open(f).convert("RGB") for f in named]
     out = pipe(**kwargs, generator=torch.Generator(spec["generator_device"]).manual_seed(spec["seed"]))
     if hasattr(out, "frames"):
         frames = [Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) if not isinstance(f, Image.Image) else f for f in out.frames[0]]
