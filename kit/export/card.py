@@ -268,13 +268,15 @@ def model_card(
     repo: str = "<user>/<repo>",
     step: int | None = None,
     license: str | None = None,
+    videos: dict[str, str] | None = None,
 ) -> str:
     """README.md of a pushed run.
 
     `files`: export format → the pushed files' paths in the repository (embeddings in the
     order of the placeholder tokens); `grid` and `samples`
-    ((prompt, path) each): the sample images' paths there; `step`: the exported checkpoint's
-    (default: the latest).
+    ((prompt, path) each): the sample images' paths there (a clip's: its animated WebP);
+    `videos`: a clip's WebP path → its MP4's; `step`: the exported checkpoint's (default: the
+    latest).
     """
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)
@@ -322,12 +324,29 @@ def model_card(
     out += ["", "## Use it in ComfyUI or AUTOMATIC1111", "", client_usage(method, files)]
     out += ["", "## Training settings", "", "| setting | value |", "| --- | --- |"]
     out += [f"| {k} | {v} |" for k, v in settings_rows(cfg, method, step, images, resized)]
+    clips = [(p, url) for p, url in samples if url.endswith(".webp")]
+    if grid or clips:
+        out += ["", "## Samples"]
+    if clips:
+        out += ["", *clip_lines(clips, videos or {}, step)]
     if grid:
-        out += ["", "## Samples", "", f"![validation images at step {step}]({grid})"]
+        what = "frame strips" if clips else "images"
+        out += ["", f"![validation {what} at step {step}]({grid})"]
         prompts = list(dict.fromkeys(p for p, _ in samples))
         if prompts:
             out += ["", "Prompts, one per row: " + "; ".join(f"`{p}`" for p in prompts) + "."]
     return "\n".join(out) + "\n"
+
+
+def clip_lines(clips: Sequence[tuple[str, str]], videos: dict[str, str], step: int) -> list[str]:
+    """The validation clips as the hub shows them: each animated WebP inline (it plays like a
+    GIF, in the page and in the widget gallery), under its prompt, with a link to its MP4."""
+    lines = [f"The validation clips at step {step}, looping:", ""]
+    for prompt, url in clips:
+        mp4 = f" ([MP4]({videos[url]}))" if url in videos else ""
+        alt = prompt.replace("[", "(").replace("]", ")")  # a bracket would end the alt text
+        lines += [f"![{alt}]({url})", "", f"`{prompt}`{mp4}", ""]
+    return lines[:-1]
 
 
 __all__ = [

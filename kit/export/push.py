@@ -151,16 +151,18 @@ def _token_order(cfg: Config, path: Path) -> int:
 
 
 def sample_images(run: RunDir, step: int) -> tuple[Path | None, list[tuple[str, Path]]]:
-    """The validation grid and (prompt, image) pairs drawn at `step`, else at the latest step."""
+    """The validation grid and (prompt, image) pairs drawn at `step`, else at the latest step.
+
+    A clip's pair holds its animated WebP (what the hub shows playing), not its frame strip."""
     steps = run.validation_steps()
     folder = steps.get(step) or (steps[max(steps)] if steps else None)
     if folder is None:
         return None, []
-    pairs = [
-        (read_sidecar(sc)[0].prompt, sc.with_suffix(".png"))
-        for sc in sorted(folder.glob("*.json"))
-        if sc.with_suffix(".png").is_file()
-    ]
+    pairs = []
+    for sc in sorted(folder.glob("*.json")):
+        png, clip = sc.with_suffix(".png"), sc.with_suffix(".webp")
+        if png.is_file():
+            pairs.append((read_sidecar(sc)[0].prompt, clip if clip.is_file() else png))
     grid = folder / "grid.png"
     return (grid if grid.is_file() else None), pairs
 
@@ -249,7 +251,15 @@ def assemble(
     grid_src, pairs = sample_images(run, step)
     grid = _place(grid_src, folder, f"{IMAGES}/grid.png") if grid_src else None
     samples = [(p, _place(png, folder, f"{IMAGES}/{png.name}")) for p, png in pairs[:MAX_SAMPLES]]
-    card = model_card(run, cfg, files, grid, samples=samples, repo=repo, step=step, license=license)
+    # A clip's MP4 travels beside its WebP, for players and editors that take no WebP.
+    videos = {
+        url: _place(mp4, folder, f"{IMAGES}/{mp4.name}")
+        for (_, src), (_, url) in zip(pairs, samples, strict=False)
+        if (mp4 := src.with_suffix(".mp4")).is_file() and src.suffix == ".webp"
+    }
+    card = model_card(
+        run, cfg, files, grid, samples=samples, repo=repo, step=step, license=license, videos=videos
+    )
     (folder / "README.md").write_text(card, encoding="utf-8")
     return step
 

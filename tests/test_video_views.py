@@ -1,0 +1,138 @@
+"""Seeing a video run: validation clips that play (WebP, MP4), their index, the notebook's and the
+model card's view of them, and the bucket report's frames, windows and conditioning frame."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from kit.config import load_config
+from kit.run.folder import RunDir
+from kit.sample import clips
+from tests.conftest import write_run_config
+
+
+@pytest.fixture(scope="module")
+def wan_base(tiny_base) -> Path:
+    return tiny_base("wan")
+
+
+@pytest.fixture(scope="module")
+def video_run(tmp_path_factory, wan_base, family_dataset) -> RunDir:
+    """Two steps of a tiny Wan LoRA on 5-frame clips, validated at its last step."""
+    from kit.train.loop import train
+
+    tmp = tmp_path_factory.mktemp("video_run")
+    path = write_run_config(
+        tmp / "config.json",
+        base=wan_base,
+        data=family_dataset("wan"),
+        family="wan",
+        num_frames=5,
+        max_train_steps=2,
+        checkpointing_steps=2,
+        validation_steps=2,
+        max_sequence_length=16,
+    )
+    train(load_config(path))
+    return RunDir(tmp / "run")
+
+
+def mp4_frames(path: Path) -> tuple[int, tuple[int, int]]:
+    import imageio.v2 as iio
+
+    with iio.get_reader(str(path), format="ffmpeg") as reader:
+        return reader.count_frames(), tuple(reader.get_meta_data()["size"])
+
+
+def test_validation_clips_loop_as_webp_and_mp4_and_are_indexed(video_run):
+    folder = video_run.validation_step(2)
+    clip = Image.open(folder / "00_seed0.webp")
+    assert clip.is_animated and clip.n_frames == 5 and clip.info["loop"] == 0
+    clip.seek(4)
+    clip.load()  # a frame's timing is read with the frame
+    assert clip.info["duration"] == round(1000 / clips.FPS) and clip.info["timestamp"] == 4 * 62
+    strip = Image.open(folder / "00_seed0.png")
+    assert strip.size == (5 * clip.width, clip.height)
+    assert mp4_frames(folder / "00_seed0.mp4") == (5, clip.size)
+    assert not list(folder.glob("*.gif")) and not list(folder.glob(".*"))  # no temporary left
+    # The run's index lists the step's folder, its grid and the clip's files (read from the
+    # sidecars, which stay the only JSON files in the step's folder).
+    assert sorted(p.name for p in folder.glob("*.json")) == ["00_seed0.json"]
+    index = json.loads((video_run.validation / clips.INDEX).read_text())
+    assert index["fps"] == clips.FPS and "video" not in index  # no note: the MP4 is there
+    (entry,) = index["folders"]
+    assert (entry["folder"], entry["step"], entry["grid"]) == ("step-000002", 2, "grid.png")
+    (item,) = entry["items"]
+    assert item["prompt"] == "a red zorbstar" and item["frames"] == 5
+    assert (item["clip"], item["video"], item["image"], item["sidecar"]) == (
+        "00_seed0.webp",
+        "00_seed0.mp4",
+        "00_seed0.png",
+        "00_seed0.json",
+    )
+    assert clips.latest_clips(video_run) == [folder / "00_seed0.webp"]
+
+
+def test_notebook_plays_the_latest_clips(video_run):
+    from kit.ui.widgets import show_clips
+
+    webp = clips.latest_clips(video_run)
+    html = show_clips([*webp, webp[0].with_suffix(".mp4")]).data
+    assert html.count("data:image/webp;base64,") == 1
+    assert "<video" in html and "loop" in html and "data:video/mp4;base64," in html
+    nb = json.loads(Path("notebooks/05_validate.ipynb").read_text())
+    code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+    assert any("latest_clips(run)" in c and "show_clips(" in c for c in code)
+
+
+def test_the_model_card_shows_the_clip_playing(video_run):
+    from kit.export.card import model_card
+    from kit.export.push import sample_images
+
+    cfg = load_config(video_run.config)
+    grid, pairs = sample_images(video_run, 2)
+    assert [(p, f.name) for p, f in pairs] == [("a red zorbstar", "00_seed0.webp")]
+    samples = [("a red zorbstar", "images/00_seed0.webp")]
+    videos = {"images/00_seed0.webp": "images/00_seed0.mp4"}
+    card = model_card(video_run, cfg, {}, "images/grid.png", samples=samples, videos=videos)
+    head = yaml.safe_load(card.removeprefix("---\n").partition("\n---\n")[0])
+    assert head["pipeline_tag"] == "text-to-video"
+    assert head["widget"] == [{"text": "a red zorbstar", "output": {"url": "images/00_seed0.webp"}}]
+    assert "![a red zorbstar](images/00_seed0.webp)" in card
+    assert "[MP4](images/00_seed0.mp4)" in card
+    assert "![validation frame strips at step 2](images/grid.png)" in card
+
+
+def test_the_archive_lists_the_clips(video_run):
+    from kit.report.archive import build_archive
+
+    listed = {Path(v["path"]).name for v in build_archive(video_run.root)["validation"]}
+    assert {"00_seed0.png", "00_seed0.webp", "00_seed0.mp4", "grid.png"} <= listed
+
+
+def test_without_imageio_ffmpeg_the_webp_alone_is_written_and_said(tmp_path, monkeypatch):
+    frames = [Image.new("RGB", (33, 25), (40 * i, 0, 0)) for i in range(5)]
+    # Odd sides: the MP4 pads one pixel (H.264 in yuv420p needs even ones), never resizes.
+    assert clips.save_clip(frames, tmp_path / "a") == {"clip": "a.webp", "video": "a.mp4"}
+    assert mp4_frames(tmp_path / "a.mp4") == (5, (34, 26))
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # as an install without it
+    assert clips.save_clip(frames, tmp_path / "b") == {"clip": "b.webp"}
+    assert Image.open(tmp_path / "b.webp").n_frames == 5
+    # The run's index says why a clip has no MP4.
+    from kit.sample.validate import save_drawn
+
+    run = RunDir(tmp_path / "run")
+    folder = run.validation_step(4)
+    assert save_drawn(frames, folder / "c") == {"image": "c.png", "clip": "c.webp"}
+    (folder / "c.json").write_text(json.dumps({"prompt": "p", "seed": 0, "frames": 5}))
+    Image.new("RGB", (8, 8)).save(folder / "grid.png")
+    index = json.loads(clips.index_run(run).read_text())
+    assert index["folders"][0]["items"][0]["clip"] == "c.webp"
+    assert "imageio-ffmpeg is not installed" in index["video"]
+    assert clips.latest_clips(run) == [folder / "c.webp"]
