@@ -136,3 +136,62 @@ def test_without_imageio_ffmpeg_the_webp_alone_is_written_and_said(tmp_path, mon
     assert index["folders"][0]["items"][0]["clip"] == "c.webp"
     assert "imageio-ffmpeg is not installed" in index["video"]
     assert clips.latest_clips(run) == [folder / "c.webp"]
+
+
+def write_clip(folder: Path, n: int) -> None:
+    """A captioned frame folder of `n` frames."""
+    folder.mkdir(parents=True)
+    for i in range(n):
+        Image.new("RGB", (64, 64), (20 * i, 0, 0)).save(folder / f"{i:04d}.png")
+    folder.with_suffix(".txt").write_text(folder.name)
+
+
+def test_the_bucket_report_counts_frames_windows_and_the_conditioning_frame(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from kit.cli import main
+    from kit.config import Config
+    from kit.data.report import bucket_report, conditioning, report_lines
+
+    write_clip(tmp_path / "data" / "long", 12)  # 5-frame windows back to back: 0-4, 5-9
+    write_clip(tmp_path / "data" / "short", 7)  # 7 frames: Wan's 4k+1 rule trains 5
+    cfg = Config().replace(
+        model_family="wan",
+        image_dir=str(tmp_path / "data"),
+        resolution=64,
+        bucket_step=32,
+        num_frames=9,
+        frame_sampling="chunk",
+        frame_windows=0,
+    )
+    report = bucket_report(cfg.replace(num_frames=5))
+    rows = {r["clip"]: r for r in report["clip_frames"]}
+    assert rows["long"] == {
+        "clip": "long",
+        "source_frames": 12,
+        "frames_trained": 5,
+        "frame_stride": 1,
+        "windows": 2,
+        "window_frames": ["0-4", "5-9"],
+        "conditioning_frames": [0, 5],
+    }
+    assert (rows["short"]["windows"], rows["short"]["window_frames"]) == (1, ["0-4"])
+    assert report["conditioning_frame"] == "first frame of each window"
+    # Asked for 9 frames, the 7-frame clip trains the largest 4k+1 below: 5.
+    nine = {r["clip"]: r for r in bucket_report(cfg)["clip_frames"]}
+    assert (nine["long"]["frames_trained"], nine["short"]["frames_trained"]) == (9, 5)
+    lines = report_lines(report)
+    assert "2 clip(s) → 3 window(s)" in lines
+    assert any(line.split() == "long 12 5 1 2 0-4 (0), 5-9 (5)".split() for line in lines)
+    # An image-to-video config's own key, where a family defines one, names the frame.
+    keyed = SimpleNamespace(data=SimpleNamespace(condition_frame=2), model=cfg.model)
+    assert conditioning(keyed) == {
+        "conditioning_frame": "frame 2 of each window",
+        "conditioning_index": 2,
+    }
+    # `kit buckets` prints the same table, and its JSON carries the rows.
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(cfg.replace(num_frames=5).to_dict(flat=True)))
+    assert main(["buckets", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "source frames" in out and "conditioning frame (image-to-video): first frame" in out
