@@ -195,3 +195,46 @@ def test_the_bucket_report_counts_frames_windows_and_the_conditioning_frame(tmp_
     assert main(["buckets", str(config)]) == 0
     out = capsys.readouterr().out
     assert "source frames" in out and "conditioning frame (image-to-video): first frame" in out
+
+
+def _bench():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_video_estimates.py"
+    spec = importlib.util.spec_from_file_location("bench_video_estimates", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a14b_estimate_names_the_expert_on_the_gpu_and_the_one_in_host_ram(
+    module_trace_cache, tmp_path
+):
+    """The real A14B against one of its experts as a base of its own (same architecture)."""
+    from kit.config import from_dict
+    from kit.preflight.estimate import GIB, estimate
+    from kit.preflight.storage import on_accelerator
+
+    bench = _bench()
+    expert = str(bench.one_expert_base(tmp_path / "expert"))
+    shape = {"bucket": (256, 256)}
+    one = estimate(from_dict(bench.settings(expert, "", 5)), **shape)
+    both = estimate(from_dict(bench.settings(bench.A14B, "both", 5)), **shape)
+    size = one.details["frozen_weights_stored"]["denoiser"]
+    assert 26 < size / GIB < 27.5  # one 14.3B expert in bf16
+    assert one.details["on_accelerator"] is None and not one.details["waiting_in_host_ram"]
+    # The same expert's size on the GPU, the other's whole size waiting in host RAM, named.
+    assert both.components["denoiser_weights"] == size
+    assert sum(both.details["waiting_in_host_ram"].values()) == size
+    assert "expert of the batch's timesteps" in both.details["on_accelerator"]
+    note = next(n for n in both.notes if "waits in host RAM" in n)
+    assert f"({size / GIB:.2f} GiB); " in note and "change places" in note
+    # Host RAM: the two-expert base loads one expert more than the one-expert base.
+    assert both.host_bytes - one.host_bytes == size
+    # Training one expert: the note names it (the other still waits, for validation).
+    high = from_dict(bench.settings(bench.A14B, "high", 5))
+    assert on_accelerator(high) == "the high-noise expert, which trains"
+    # Quantized experts are refused by the family; the bench reports it in the kit's words.
+    refused = bench.row("A14B", bench.A14B, "high", "int8", 0, (256, 256, 5), "")
+    assert "not stored quantized yet" in refused["refused"]
