@@ -469,7 +469,7 @@ def from_trace(
     on_gpu = on_accelerator(cfg) if waiting else None
     notes += [
         f"one denoiser model at a time on the GPU: {on_gpu} "
-        f"({kept.get('denoiser', 0) / GIB:.2f} GiB); {label} waits in host RAM "
+        f"({comps.get('denoiser_weights', 0) / GIB:.2f} GiB); {label} waits in host RAM "
         f"({size / GIB:.2f} GiB{', not quantized there' if quant != 'none' else ''})"
         for label, size in waiting.items()
     ]
