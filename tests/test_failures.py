@@ -68,8 +68,7 @@ def test_a_cached_hub_model_loads_at_once_when_the_hub_cannot_be_reached(
 ):
     from huggingface_hub import constants
 
-    from kit.families import get_family
-    from kit.families import source
+    from kit.families import get_family, source
 
     # A hub cache holding the model, as `huggingface-cli download` leaves it.
     repo = tmp_path / "hub" / "models--someone--tiny-sd15"
@@ -293,9 +292,7 @@ def test_full_or_read_only_disk_keeps_the_previous_checkpoint(tmp_path, monkeypa
     assert (first / ckpt.MARKER).is_file()
 
 
-def test_a_full_disk_under_an_export_or_cache_file_says_how_much_it_needed(
-    tmp_path, monkeypatch
-):
+def test_a_full_disk_under_an_export_or_cache_file_says_how_much_it_needed(tmp_path, monkeypatch):
     import safetensors.torch
 
     from kit.io import save_tensors

@@ -273,7 +273,7 @@ def test_cache_holds_clip_latents_and_batches_carry_sizes(wan_base, tmp_path):
     assert data.manifest()[0]["frames"] == list(range(9))
 
 
-def test_validation_writes_a_gif_and_a_frame_strip(wan_base, tmp_path):
+def test_validation_writes_a_looping_webp_and_a_frame_strip(wan_base, tmp_path):
     from kit.families.base import ImageSpec
     from kit.sample.validate import run_validation
 
@@ -283,5 +283,6 @@ def test_validation_writes_a_gif_and_a_frame_strip(wan_base, tmp_path):
     run_validation(wan, wan.pipeline(comps), [spec], tmp_path, cols=1, meta={"base_model": "x"})
     strip = Image.open(tmp_path / "00_seed0.png")
     assert strip.size == (5 * 32, 48)
-    gif = Image.open(tmp_path / "00_seed0.gif")
-    assert (gif.n_frames, gif.size) == (5, (32, 48))
+    clip = Image.open(tmp_path / "00_seed0.webp")
+    assert (clip.n_frames, clip.size, clip.info["loop"]) == (5, (32, 48), 0)
+    assert not (tmp_path / "00_seed0.gif").exists()  # nothing reads a GIF: the WebP replaces it

@@ -69,6 +69,7 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
     return {
         "images": len(samples),
         **(_windows(samples) if video else {}),
+        **({"clip_frames": clip_rows(cfg, plan), **conditioning(cfg)} if video else {}),
         "samples_per_epoch": sum(b["per_epoch"] for b in buckets),
         "datasets": _datasets(cfg, samples, plan),
         "buckets": buckets,
@@ -126,6 +127,61 @@ def _windows(samples: list) -> dict[str, int]:
     """Clips kept and the windows they train as (`frame_sampling`); each window is a sample."""
     clips = [s for s in samples if s.clip]
     return {"clips": len({s.image for s in clips}), "windows": len(clips)}
+
+
+CONDITION_KEY = "condition_frame"
+"""The config key (data or model section) an image-to-video run may name its conditioning frame
+by; absent, the first frame of each window conditions it, as the Wan I2V pipelines take it."""
+
+
+def conditioning(cfg: Config) -> dict[str, Any]:
+    """Which frame of a window would condition an image-to-video model: `condition_frame` where
+    the config has such a key (a frame index within the window, or a word), else the first."""
+    value = next(
+        (
+            getattr(sec, CONDITION_KEY)
+            for sec in (cfg.data, cfg.model)
+            if hasattr(sec, CONDITION_KEY)
+        ),
+        None,
+    )
+    if value is None or value in (0, "first"):
+        return {"conditioning_frame": "first frame of each window", "conditioning_index": 0}
+    if value == "last":
+        return {"conditioning_frame": "last frame of each window", "conditioning_index": -1}
+    if isinstance(value, int):
+        return {"conditioning_frame": f"frame {value} of each window", "conditioning_index": value}
+    return {"conditioning_frame": f"{value} frame", "conditioning_index": None}
+
+
+def clip_rows(cfg: Config, plan: Any) -> list[dict[str, Any]]:
+    """Per clip: the frames it holds, the frames each window trains (the family's count, Wan's
+    4k+1), the stride, how many windows it is cut into and which source frames each takes,
+    and the source frame that conditions each window (image-to-video)."""
+    strides = {v.index: v.data.frame_stride for v in views(cfg.data)}
+    index = conditioning(cfg)["conditioning_index"]
+    rows: dict[Path, dict[str, Any]] = {}
+    for sample, placed in zip(plan.samples[: plan.size], plan.placements[: plan.size], strict=True):
+        if not sample.clip:
+            continue
+        row = rows.setdefault(
+            sample.image,
+            {
+                "clip": sample.image.name,
+                "source_frames": sample.total_frames,
+                "frames_trained": placed.num_frames,
+                "frame_stride": strides.get(sample.dataset, 1),
+                "windows": 0,
+                "window_frames": [],
+                "conditioning_frames": [],
+            },
+        )
+        frames = placed.frames or (0,)
+        row["windows"] += 1
+        row["window_frames"].append(f"{frames[0]}-{frames[-1]}")
+        cond = frames[index] if index is not None and index < len(frames) else None
+        row["conditioning_frames"].append(cond)
+    return list(rows.values())
 
 
 def aspect_histogram(aspects: list[float], bins: int = 12) -> list[dict[str, Any]]:
@@ -212,6 +268,21 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         lines += pair_lines(b)
     if report.get("clips"):
         lines.append(f"{report['clips']} clip(s) → {report['windows']} window(s)")
+        lines.append(
+            f"{'clip':>20}  {'frames':>6}  trained  stride  windows  source frames per window"
+            "  (conditioning frame)"
+        )
+        for c in report["clip_frames"]:
+            spans = [
+                f"{w} ({'-' if k is None else k})"
+                for w, k in zip(c["window_frames"], c["conditioning_frames"], strict=True)
+            ]
+            more = f" … {len(spans) - 4} more" if len(spans) > 4 else ""
+            lines.append(
+                f"{c['clip'][-20:]:>20}  {c['source_frames']:>6}  {c['frames_trained']:>7}  "
+                f"{c['frame_stride']:>6}  {c['windows']:>7}  {', '.join(spans[:4])}{more}"
+            )
+        lines.append(f"conditioning frame (image-to-video): {report['conditioning_frame']}")
     for d in report["dropped"]:
         lines.append(f"dropped {d['file']}: {d['reason']}")
     lines.append(

@@ -293,14 +293,16 @@ def model_card(
     license: str | None = None,
     edits: Sequence[EditExample] = (),
     edit_image: str | None = None,
+    videos: dict[str, str] | None = None,
 ) -> str:
     """README.md of a pushed run.
 
     `files`: export format → the pushed files' paths in the repository (embeddings in the
     order of the placeholder tokens); `grid` and `samples`
-    ((prompt, path) each): the sample images' paths there; `step`: the exported checkpoint's
-    (default: the latest); `edits` and `edit_image`: an edit run's examples (`edit_examples`)
-    and their figure's path there (`edit_figure`).
+    ((prompt, path) each): the sample images' paths there (a clip's: its animated WebP);
+    `videos`: a clip's WebP path → its MP4's; `step`: the exported checkpoint's (default: the
+    latest); `edits` and `edit_image`: an edit run's examples (`edit_examples`) and their
+    figure's path there (`edit_figure`).
     """
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)
@@ -340,7 +342,9 @@ def model_card(
         else "None: the training captions named no trigger word."
     )
     listed = [
-        f"| `{p}` | {fmt} | {file_use(run, fmt, p)} |" for fmt, paths in files.items() for p in paths
+        f"| `{p}` | {fmt} | {file_use(run, fmt, p)} |"
+        for fmt, paths in files.items()
+        for p in paths
     ]
     out += ["", "## Files", "", "| file | format | load it in |", "| --- | --- | --- |", *listed]
     out += ["", "## Use it in diffusers", ""]
@@ -350,8 +354,14 @@ def model_card(
     out += ["", "## Use it in ComfyUI or AUTOMATIC1111", "", client_usage(method, files)]
     out += ["", "## Training settings", "", "| setting | value |", "| --- | --- |"]
     out += [f"| {k} | {v} |" for k, v in settings_rows(cfg, method, step, images, resized)]
+    clips = [(p, url) for p, url in samples if url.endswith(".webp")]
+    if grid or clips:
+        out += ["", "## Samples"]
+    if clips:
+        out += ["", *clip_lines(clips, videos or {}, step)]
     if grid:
-        out += ["", "## Samples", "", f"![validation images at step {step}]({grid})"]
+        what = "frame strips" if clips else "images"
+        out += ["", f"![validation {what} at step {step}]({grid})"]
         prompts = list(dict.fromkeys(p for p, _ in samples))
         if prompts:
             out += ["", "Prompts, one per row: " + "; ".join(f"`{p}`" for p in prompts) + "."]
@@ -381,6 +391,17 @@ def edit_section(edits: Sequence[EditExample], image: str) -> list[str]:
             "(`draw_checkpoint(run, scales=[0, 1])`) before the run is pushed.",
         ]
     return lines
+
+
+def clip_lines(clips: Sequence[tuple[str, str]], videos: dict[str, str], step: int) -> list[str]:
+    """The validation clips as the hub shows them: each animated WebP inline (it plays like a
+    GIF, in the page and in the widget gallery), under its prompt, with a link to its MP4."""
+    lines = [f"The validation clips at step {step}, looping:", ""]
+    for prompt, url in clips:
+        mp4 = f" ([MP4]({videos[url]}))" if url in videos else ""
+        alt = prompt.replace("[", "(").replace("]", ")")  # a bracket would end the alt text
+        lines += [f"![{alt}]({url})", "", f"`{prompt}`{mp4}", ""]
+    return lines[:-1]
 
 
 __all__ = [

@@ -152,16 +152,18 @@ def _token_order(cfg: Config, path: Path) -> int:
 
 
 def sample_images(run: RunDir, step: int) -> tuple[Path | None, list[tuple[str, Path]]]:
-    """The validation grid and (prompt, image) pairs drawn at `step`, else at the latest step."""
+    """The validation grid and (prompt, image) pairs drawn at `step`, else at the latest step.
+
+    A clip's pair holds its animated WebP (what the hub shows playing), not its frame strip."""
     steps = run.validation_steps()
     folder = steps.get(step) or (steps[max(steps)] if steps else None)
     if folder is None:
         return None, []
-    pairs = [
-        (read_sidecar(sc)[0].prompt, sc.with_suffix(".png"))
-        for sc in sorted(folder.glob("*.json"))
-        if sc.with_suffix(".png").is_file()
-    ]
+    pairs = []
+    for sc in sorted(folder.glob("*.json")):
+        png, clip = sc.with_suffix(".png"), sc.with_suffix(".webp")
+        if png.is_file():
+            pairs.append((read_sidecar(sc)[0].prompt, clip if clip.is_file() else png))
     grid = folder / "grid.png"
     return (grid if grid.is_file() else None), pairs
 
@@ -256,6 +258,12 @@ def assemble(
     edit_image = f"{IMAGES}/edits.png" if figure is not None else None
     if figure is not None:
         figure.save(folder / edit_image)
+    # A clip's MP4 travels beside its WebP, for players and editors that take no WebP.
+    videos = {
+        url: _place(mp4, folder, f"{IMAGES}/{mp4.name}")
+        for (_, src), (_, url) in zip(pairs, samples, strict=False)
+        if (mp4 := src.with_suffix(".mp4")).is_file() and src.suffix == ".webp"
+    }
     card = model_card(
         run,
         cfg,
@@ -267,6 +275,7 @@ def assemble(
         license=license,
         edits=edits,
         edit_image=edit_image,
+        videos=videos,
     )
     (folder / "README.md").write_text(card, encoding="utf-8")
     return step

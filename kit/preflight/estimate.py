@@ -34,6 +34,7 @@ from kit.preflight.storage import (
     check_quant,
     check_swap,
     frozen_by_dtype,
+    on_accelerator,
     setup_phase,
     stored,
     swap_plan,
@@ -465,9 +466,11 @@ def from_trace(
         "activations come from one traced training step on the meta device; attention is "
         "counted as flash / memory-efficient kernels keep it (output and log-sum-exp)",
     ]
+    on_gpu = on_accelerator(cfg) if waiting else None
     notes += [
-        f"one denoiser model at a time on the GPU: {label} waits in host RAM ({size / GIB:.2f} "
-        f"GiB{', not quantized there' if quant != 'none' else ''})"
+        f"one denoiser model at a time on the GPU: {on_gpu} "
+        f"({comps.get('denoiser_weights', 0) / GIB:.2f} GiB); {label} waits in host RAM "
+        f"({size / GIB:.2f} GiB{', not quantized there' if quant != 'none' else ''})"
         for label, size in waiting.items()
     ]
     encoders = sum(comps[f"{n}_weights"] for n in tr["frozen"] if n != "denoiser")
@@ -554,6 +557,8 @@ def from_trace(
         "allocated_bytes": allocated,
         "setup": setup["components"],
         "setup_bytes": setup["total"],
+        "on_accelerator": on_gpu,
+        "waiting_in_host_ram": dict(waiting),
         "host_phase": host_phase,
         "host_by_phase": {"load": sum(loading.values()), "training": sum(training.values())},
         "host_loads": {"cache": for_cache, "denoiser": for_training},

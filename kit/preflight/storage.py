@@ -168,6 +168,7 @@ __all__ = [
     "block_inventory",
     "check_quant",
     "check_swap",
+    "on_accelerator",
     "quant_inventory",
     "stored",
     "swap_blocks",
@@ -231,3 +232,15 @@ def frozen_by_dtype(frozen: dict[str, dict[str, int]]) -> dict[str, int]:
         for dt, n in part.items():
             out[dt] += n
     return dict(out)
+
+
+def on_accelerator(cfg: Any) -> str:
+    """Which model of a denoiser of two (Wan 2.2 A14B's experts, `train_experts`) the training
+    step holds on the GPU while the other waits in host RAM."""
+    chosen = cfg.model.train_experts
+    if chosen in ("high", "low"):
+        return f"the {chosen}-noise expert, which trains"
+    return (
+        "the expert of the batch's timesteps (high noise at and above the boundary, low noise "
+        "below), swapped with the other when a batch falls on the other side"
+    )

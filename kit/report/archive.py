@@ -90,12 +90,17 @@ def _dataset(run: RunDir, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+VALIDATION_FILES = frozenset({".png", ".webp", ".mp4"})
+"""What validation draws: images and frame strips, and a clip's animated WebP and MP4."""
+
+
 def _validation(run: RunDir) -> list[dict[str, str]]:
     if not run.validation.is_dir():
         return []
     return [
         {"path": p.relative_to(run.root).as_posix(), "sha256": sha256_file(p)}
-        for p in sorted(run.validation.rglob("*.png"))
+        for p in sorted(run.validation.rglob("*"))
+        if p.suffix in VALIDATION_FILES and not p.name.startswith(".")
     ]
 
 

@@ -20,6 +20,7 @@ from kit.io import write_json, write_with
 from kit.methods import get_method
 from kit.run import checkpoint as ckpt
 from kit.run.folder import open_run
+from kit.sample import clips
 
 
 def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
@@ -148,19 +149,21 @@ def frame_strip(frames: list[Image.Image]) -> Image.Image:
     return strip
 
 
-def save_frames(frames: list[Image.Image], stem: Path) -> Path:
-    """`stem.png` (the image, or a frame strip) and, for clips, `stem.gif`; atomic."""
+def save_drawn(frames: list[Image.Image], stem: Path) -> dict[str, str]:
+    """`stem.png` (the image, or a clip's frame strip) and, for a clip, its animated WebP and
+    MP4 (`kit.sample.clips`); every file atomic. Their names by kind: image, clip, video."""
     png = stem.with_suffix(".png")
     strip = frame_strip(frames)
     write_with(png, lambda tmp: strip.save(tmp, format="PNG"))
+    out = {"image": png.name}
     if len(frames) > 1:
-        write_with(
-            stem.with_suffix(".gif"),
-            lambda tmp: frames[0].save(
-                tmp, format="GIF", save_all=True, append_images=frames[1:], duration=125, loop=0
-            ),
-        )
-    return png
+        out.update(clips.save_clip(frames, stem))
+    return out
+
+
+def save_frames(frames: list[Image.Image], stem: Path) -> Path:
+    """`save_drawn`, returning the PNG's path."""
+    return stem.parent / save_drawn(frames, stem)["image"]
 
 
 def make_grid(images: list[Image.Image], cols: int, labels: list[str] | None = None) -> Image.Image:
@@ -251,7 +254,7 @@ def run_validation(
             frames, sampling = draw(family, pipe, spec)
             images[-1].append(frame_strip(frames))
             stem = f"{r:02d}_seed{spec.seed}"
-            save_frames(frames, out_dir / stem)
+            save_drawn(frames, out_dir / stem)
             write_json(
                 out_dir / f"{stem}.json",
                 {
@@ -260,6 +263,7 @@ def run_validation(
                     "pipeline_kwargs": family.pipeline_kwargs,
                     "call_kwargs": family.call_kwargs(spec),
                     **strict_json(sampling),
+                    "frames": len(frames),
                     **meta,
                 },
             )
@@ -322,7 +326,7 @@ def draw_checkpoint(
         prompts = default_prompts(cfg, captions)
     rows = prompt_rows(cfg, family, prompts, entries=None if asked is None else [])
     specs = [replace(s, adapter_scale=scale) for row in rows for scale in scales for s in row]
-    return run_validation(
+    grid = run_validation(
         family,
         family.pipeline(comps),
         specs,
@@ -330,3 +334,5 @@ def draw_checkpoint(
         cols=len(cfg.validation.validation_seeds),
         meta={"base_model": cfg.model.pretrained_model, "checkpoint": str(source)},
     )
+    clips.index_run(run)
+    return grid

@@ -9,6 +9,7 @@ from pathlib import Path
 from kit.families import quantize as quant
 from kit.families.identity import public_name
 from kit.families.loading import load_base
+from kit.sample.clips import index_run
 from kit.sample.embedded import EmbeddedPrompts
 from kit.sample.validate import image_specs, run_validation
 from kit.train.state import TrainState
@@ -59,6 +60,7 @@ def validate(s: TrainState, step: int) -> Path:
             meta = {**meta, "step": step, "training_adapter": public_name(adapter.source)}
             run_validation(s.family, pipe, specs, s.run.validation_with_adapter(step), cols, meta)
     s.denoiser.train()
+    index_run(s.run)  # the run's validation/index.json lists this step's images and clips
     s.emit(kind="validation", step=step, grid=grid)
     return grid
 

@@ -71,6 +71,36 @@ def show_images(paths: Iterable[str | Path], width: int = 160) -> Any:
     return HTML("".join(cells))
 
 
+CLIP_TYPES = {".webp": "image/webp", ".gif": "image/gif"}
+"""Animated image files a notebook plays in an <img> tag, by suffix; an .mp4 plays in <video>."""
+
+
+def show_clips(paths: Iterable[str | Path], width: int = 256) -> Any:
+    """Clips playing in a loop, each under its file name: an animated WebP (or GIF) inline as
+    the image it is, an MP4 in a muted, looping <video>; embedded, so the saved notebook
+    still plays them."""
+    import base64
+
+    from IPython.display import HTML
+
+    cells = []
+    for p in map(Path, paths):
+        data = base64.b64encode(p.read_bytes()).decode()
+        kind = CLIP_TYPES.get(p.suffix.lower())
+        if kind:
+            tag = f"<img width={width} src='data:{kind};base64,{data}'/>"
+        else:
+            tag = (
+                f"<video width={width} autoplay loop muted playsinline controls "
+                f"src='data:video/mp4;base64,{data}'></video>"
+            )
+        cells.append(
+            f"<figure style='display:inline-block;margin:4px'>{tag}<figcaption>"
+            f"{html.escape(p.name)}</figcaption></figure>"
+        )
+    return HTML("".join(cells))
+
+
 def bucket_figure(plan: Any, samples: list[Any]):
     """Images per bucket, and the spread of the images' aspect ratios."""
     import matplotlib.pyplot as plt
