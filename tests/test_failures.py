@@ -222,7 +222,11 @@ def test_overwrite_removes_only_what_a_run_wrote(capsys, make_config, tmp_path):
     assert mine.read_bytes() == b"my own picture" and notes.read_text() == "my notes"
     assert run.checkpoint(2).is_dir()  # the new run's
     assert not old_timing.exists()  # a folder the kit created goes whole
-    assert sorted(p.name for p in run.validation.iterdir()) == ["my-photo.png", "step-000002"]
+    assert sorted(p.name for p in run.validation.iterdir()) == [
+        "index.json",  # the new run's index of its grids and clips
+        "my-photo.png",
+        "step-000002",
+    ]
 
 
 def _fake_run(tmp_path: Path, make_config) -> Path:
