@@ -216,10 +216,7 @@ class DataConfig:
     window_stride: int = 0
     """`slide`: frames between the starts of consecutive windows; 0 takes the window's span."""
     condition_frame: int | None = None
-    """Image-to-video: the frame of each training window that conditions it, as the pipeline's
-    `image` (0: the first). Empty: the first frame on an image-to-video base (Wan 2.1 / 2.2
-    I2V), none on Wan 2.2 TI2V-5B (it then trains text-to-video; a number trains its
-    image-to-video); refused on a text-to-video base."""
+    """Image-to-video: the frame conditioning each window (empty: 0; TI2V-5B: none, text-to-video)."""
     caption_shuffle: bool = False
     """Shuffle a caption's comma-separated tags each time it is used (after `keep_tokens`)."""
     keep_tokens: int = 0
