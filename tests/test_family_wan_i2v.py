@@ -49,17 +49,48 @@ def recorder(module: torch.nn.Module, name: str, calls: list):
     return module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def a_clip(frames: int, height: int, width: int, seed: int = 0):
-    """Random 8-bit frames: the kit's pixels (1, 3, F, H, W) as it reads them, and frame 0 as
-    the PIL image a user hands the pipeline."""
+def a_clip(frames: int, height: int, width: int, seed: int = 0) -> list[Image.Image]:
+    """Random 8-bit frames."""
     g = torch.Generator().manual_seed(seed)
     u8 = torch.randint(0, 256, (frames, height, width, 3), generator=g, dtype=torch.uint8)
-    pixels = (u8.permute(3, 0, 1, 2).float() / 127.5 - 1.0).unsqueeze(0)  # kit.data.pixels
-    return pixels, Image.fromarray(u8[0].numpy(), "RGB")
+    return [Image.fromarray(f.numpy(), "RGB") for f in u8]
+
+
+def cached_clip(wan, comps, tmp: Path, frames: int, size: int):
+    """One training clip (a frame folder of the bucket's size, so nothing is cropped) through
+    the kit's cache: its batch of one, and its frames as files."""
+    from kit.data.cache import fill_cache, plan_cache
+
+    clip = tmp / "data" / "clip"
+    clip.mkdir(parents=True)
+    for i, frame in enumerate(a_clip(frames, size, size)):
+        frame.save(clip / f"{i:04d}.png")
+    (tmp / "data" / "clip.txt").write_text("a large red zorbic moving right")
+    cfg = wan.cfg.replace(
+        image_dir=str(tmp / "data"),
+        cache_dir=str(tmp / "cache"),
+        resolution=size,
+        bucket_step=16,
+        num_frames=frames,
+        validation_prompts=[{"prompt": "x", "control": [str(clip / "0000.png")]}],
+    )
+    fam = get_family("wan", cfg)
+    data = fill_cache(
+        plan_cache(
+            cfg, fam.identity(str(wan.cfg.model.pretrained_model)), torch.float32, family=fam
+        ),
+        cfg,
+        fam,
+        comps,
+    )
+    return data.load_batch([0]), sorted(clip.iterdir())
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_training_inputs_equal_the_pipelines(i2v_base, kind):
+def test_training_inputs_equal_the_pipelines(i2v_base, kind, tmp_path):
+    """One training clip, cached as a run caches it: the transformer's keyword arguments the
+    kit builds for it equal, tensor for tensor, those WanImageToVideoPipeline builds for the
+    clip's first frame, the same prompt, size, frame count and noise, at every step."""
     from diffusers import WanImageToVideoPipeline
 
     base = i2v_base(kind)
@@ -81,20 +112,19 @@ def test_training_inputs_equal_the_pipelines(i2v_base, kind):
     else:
         recorder(comps.denoiser, "high", seen_kit)
 
-    frames, height, width = 5, 32, 32
-    pixels, image = a_clip(frames, height, width)
+    frames, size = 5, 32
+    batch, files = cached_clip(wan, comps, tmp_path, frames, size)
     z = comps.vae.config.z_dim
-    s = comps.vae.config.scale_factor_spatial
-    noise = torch.randn(
-        1, z, 2, height // s, width // s, generator=torch.Generator().manual_seed(1)
-    )
+    assert batch["latents"].shape[1] == z
+    latent_frames, side = batch["latents"].shape[2], batch["latents"].shape[-1]
+    noise = torch.randn(1, z, latent_frames, side, side, generator=torch.Generator().manual_seed(1))
     prompt = "a large red zorbic moving right"
     with torch.no_grad():
         pipe(
-            image=image,
+            image=Image.open(files[0]).convert("RGB"),
             prompt=prompt,
-            height=height,
-            width=width,
+            height=size,
+            width=size,
             num_frames=frames,
             num_inference_steps=6,
             guidance_scale=1.0,  # one forward per step: the conditional one training makes
@@ -104,10 +134,7 @@ def test_training_inputs_equal_the_pipelines(i2v_base, kind):
         )
     if kind == "wan22_i2v":
         assert {name for name, _ in seen_pipe} == {"high", "low"}  # across the boundary
-    # The conditioning as the cache holds it (unbatched, fp32, on the CPU), batched.
-    made = wan.pixel_conditioning(comps, pixels)
-    cond = {k: v.float().unsqueeze(0) for k, v in made.items()}
-    cond.update(wan.encode_text(comps, [prompt]))
+    cond = {k: v for k, v in batch.items() if k != "latents"}
     if kind == "ti2v":
         mask = cond.pop("loss_mask")[0, 0]  # the loss leaves out the image's latent frame
         assert not mask[0].any() and bool(mask[1:].all())
@@ -176,7 +203,7 @@ def i2v_runs(tmp_path_factory, i2v_base, family_dataset):
             return made[kind]
         tmp = tmp_path_factory.mktemp(f"{kind}run")
         first = tmp / "first.png"
-        a_clip(1, 32, 32, seed=5)[1].save(first)
+        a_clip(1, 32, 32, seed=5)[0].save(first)
         fields = {
             "family": "wan",
             "base": i2v_base(kind),
