@@ -249,6 +249,15 @@ def test_trains_resumes_and_exports(i2v_runs, kind):
     resumed = load_file(str(ckpt.checkpoint_dir(tmp / "split", 4) / ckpt.ADAPTER_FILE))
     assert weights.keys() == resumed.keys()
     assert all(torch.equal(weights[k], resumed[k]) for k in weights)
-    for fmt in ("diffusers", "kohya"):
-        result = export(tmp / "straight", fmt)
-        assert result.verification.passed, (fmt, result.verification)
+    # The diffusers files redraw the validation clip through WanImageToVideoPipeline with
+    # diffusers' own loader; the kohya files load through diffusers' converter and name
+    # ComfyUI's modules (one file per expert for Wan 2.2 I2V A14B).
+    result = export(tmp / "straight", "diffusers")
+    assert result.verification.passed and result.verification.images == 1
+    if kind == "wan22_i2v":
+        assert set(result.files) == {"high_noise", "low_noise"}
+    kohya = export(tmp / "straight", "kohya")
+    assert kohya.verification.passed
+    clients = kohya.verification.clients
+    # (In 4 steps one expert may never train: its file then changes nothing, exactly.)
+    assert clients and all(c["exact"] for c in clients) and any(c["weights"] for c in clients)
