@@ -261,3 +261,28 @@ def test_trains_resumes_and_exports(i2v_runs, kind):
     clients = kohya.verification.clients
     # (In 4 steps one expert may never train: its file then changes nothing, exactly.)
     assert clients and all(c["exact"] for c in clients) and any(c["weights"] for c in clients)
+
+
+@pytest.mark.slow
+def test_shipped_i2v_configs_estimate(module_trace_cache):
+    """`kit estimate` on the shipped Wan 2.1 I2V 14B and Wan 2.2 I2V A14B configs: the traced
+    step feeds the 36-channel input (and 2.1's CLIP image tokens); 2.2's second expert waits."""
+    from kit.preflight.estimate import estimate
+
+    gib = 2**30
+    for hub_id, weights in (
+        ("Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", (30, 31.5)),  # 16.4B in bf16
+        ("Wan-AI/Wan2.2-I2V-A14B-Diffusers", (26, 27.5)),  # one 14.3B expert in bf16
+    ):
+        cfg = Config().replace(
+            model_family="wan",
+            pretrained_model=hub_id,
+            resolution=480,
+            num_frames=17,
+            mixed_precision="bf16",
+            gradient_checkpointing=True,
+        )
+        e = estimate(cfg)
+        low, high = weights
+        assert low < e.components["denoiser_weights"] / gib < high, hub_id
+        assert e.components["activations"] > 0

@@ -343,9 +343,9 @@ class Wan(Family):
             inputs = wan_i2v.transformer_inputs(self.i2v, noisy, timesteps, cond)
             return comps.denoiser(**inputs, return_dict=False)[0]
         if read_index(comps.source).get("expand_timesteps"):
-            # TI2V-5B: a timestep per latent token, as WanPipeline's `expand_timesteps` builds
-            # it from its all-ones mask over the (1, 2, 2) patches (first-frame conditioning,
-            # which zeroes the first frame's, is not trained yet).
+            # TI2V-5B text-to-video: a timestep per latent token, as WanPipeline's
+            # `expand_timesteps` builds it from its all-ones mask over the (1, 2, 2) patches
+            # (its image-to-video, with `condition_frame`, is wan_i2v's).
             mask = torch.ones(noisy.shape[2:], dtype=torch.float32, device=noisy.device)
             tokens = mask[:, ::2, ::2].flatten()
             timesteps = torch.stack([tokens * t for t in timesteps.float()])
