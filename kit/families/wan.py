@@ -335,7 +335,7 @@ class Wan(Family):
         if self.i2v is None:
             return {}
         if self.i2v.image_encoder and self._image_encoder is None:
-            self._image_encoder = wan_i2v.load_encoder(comps.source, pixels.device)
+            self._image_encoder = wan_i2v.load_encoder(comps.source)
         return wan_i2v.conditioning(self.i2v, comps.vae, pixels, self._image_encoder)
 
     def predict(self, comps, noisy, timesteps, cond):
@@ -380,7 +380,7 @@ class Wan(Family):
             }
         if self.i2v is not None and self.i2v.image_encoder:
             if self._image_encoder is None:
-                self._image_encoder = wan_i2v.load_encoder(comps.source, "cpu")
+                self._image_encoder = wan_i2v.load_encoder(comps.source)
             processor, encoder = self._image_encoder
             experts.update(image_processor=processor, image_encoder=encoder)
         return getattr(diffusers, self.pipeline_class)(

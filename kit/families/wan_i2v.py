@@ -196,18 +196,24 @@ def conditioning(
         if i2v.first_frame:
             out["loss_mask"] = made[2][0]  # the first latent frame is the image's, not drawn
         if i2v.image_encoder:
-            out["image_embeds"] = pipe.encode_image(image, device)[0]
+            # On the clips' device while it encodes, then back: it is not kept on the GPU
+            # beside the denoiser (the text encoders leave it once the cache is filled too).
+            model.to(device)
+            try:
+                out["image_embeds"] = pipe.encode_image(image, device)[0]
+            finally:
+                model.to("cpu")
     return out
 
 
-def load_encoder(source: str, device: Any) -> tuple[Any, Any]:
-    """The base's CLIP image processor and vision model (fp32, frozen), as the pipeline loads
-    them from its `image_processor` and `image_encoder` folders."""
+def load_encoder(source: str) -> tuple[Any, Any]:
+    """The base's CLIP image processor and vision model (fp32, frozen, in CPU memory), as the
+    pipeline loads them from its `image_processor` and `image_encoder` folders."""
     from transformers import CLIPImageProcessor, CLIPVisionModel
 
     processor = CLIPImageProcessor.from_pretrained(source, subfolder="image_processor")
     model = CLIPVisionModel.from_pretrained(source, subfolder="image_encoder", dtype=torch.float32)
-    return processor, model.requires_grad_(False).eval().to(device)
+    return processor, model.requires_grad_(False).eval()
 
 
 def transformer_inputs(
