@@ -215,6 +215,8 @@ class DataConfig:
     """`uniform`: windows per clip; `chunk` / `slide`: the most windows per clip (0: all)."""
     window_stride: int = 0
     """`slide`: frames between the starts of consecutive windows; 0 takes the window's span."""
+    condition_frame: int | None = None
+    """Image-to-video: the frame conditioning each window (empty: 0; TI2V-5B: none, text-to-video)."""
     caption_shuffle: bool = False
     """Shuffle a caption's comma-separated tags each time it is used (after `keep_tokens`)."""
     keep_tokens: int = 0

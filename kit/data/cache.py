@@ -152,12 +152,11 @@ class CachedDataset:
         out: dict[str, list[torch.Tensor]] = defaultdict(list)
         for j, i in enumerate(indices):
             entry = self.store.get(self.latent_files[i])
-            out["latents"].append(entry["latents"])
+            for k, v in entry.items():  # the latents, a loss mask, `pixel_conditioning`'s
+                out[k].append(v)
             for r, f in enumerate(self.control_files[i] if self.control_files else ()):
                 # One key per reference (tensors only, as every batch key): `control_latents_0`...
                 out[f"control_latents_{r}"].append(self.store.get(f)["latents"])
-            if "loss_mask" in entry:
-                out["loss_mask"].append(entry["loss_mask"])
             text = self.variant_files[i][variants[j] if variants else 0]
             for k, v in self.store.get(text).items():
                 out[k].append(v)
@@ -408,6 +407,11 @@ def _encode_missing(
         entry = {"latents": lat}
         if mask is not None:
             entry["loss_mask"] = latent_mask(mask, lat.shape)
+        # What the pixels condition the denoiser with besides (image-to-video's frame): cached
+        # with the latents; a family's loss mask and the masked-loss one multiply.
+        for k, v in family.pixel_conditioning(comps, pixels).items():
+            v = v.float().cpu().contiguous()
+            entry[k] = v * entry[k] if k in entry else v
         data.store.put(f, entry)
         stats["latents_encoded"] += 1
     todo_controls = [

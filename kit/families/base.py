@@ -428,6 +428,16 @@ class Family(FamilyExports, ABC):
         `crop_top_left` (top, left) and `target_size` (h, w) as recorded by bucketing.
         """
 
+    def pixel_conditioning(
+        self, comps: Components, pixels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Tensors that a sample's own pixels (1, 3, H, W) or (1, 3, F, H, W) in [-1, 1]
+        condition the denoiser with beside its latents (image-to-video: its conditioning
+        frame's latents and mask, its image embedding), unbatched, cached in its latent entry
+        and handed to `predict` in `cond`; a `loss_mask` among them weights the loss. {} for
+        most families."""
+        return {}
+
     def control_size(self, width: int, height: int) -> tuple[int, int]:
         """The (width, height) the pipeline resizes a control of this size to."""
         return width, height

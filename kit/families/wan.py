@@ -12,10 +12,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from kit.config import Config
 from kit.errors import KitError
-from kit.families import adapter_keys, register, tiny, wan_layout
+from kit.families import adapter_keys, register, tiny, wan_i2v, wan_layout
 from kit.families.base import PARTS, Components, Family, NoiseDraw, flow_sampling, posterior_latent
-from kit.families.identity import part_dtype, saved_scheduler, single_file
+from kit.families.identity import (
+    base_identity,
+    fingerprint,
+    part_dtype,
+    saved_scheduler,
+    single_file,
+)
 from kit.families.noise import flow_noise_and_target, flow_sigmas
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.wan_experts import (
@@ -61,8 +68,30 @@ class Wan(Family):
     modelspec_architecture = "wan2.1"  # musubi-tuner's value
     modelspec_implementation = "https://github.com/Wan-Video/Wan2.1"
     video = True
-    # Which one a base is, read from its model_index.json (`variant_of`).
-    variants = ("Wan 2.1 T2V", "Wan 2.2 T2V A14B (two experts)", "Wan 2.2 TI2V 5B")
+    # Which one a base is, read from its model_index.json and transformer config (`variant_of`).
+    variants = (
+        "Wan 2.1 T2V",
+        "Wan 2.2 T2V A14B (two experts)",
+        "Wan 2.2 TI2V 5B",
+        "Wan 2.1 I2V",
+        "Wan 2.2 I2V A14B (two experts)",
+    )
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        # Image-to-video (kit.families.wan_i2v) is read from the base's configs first: it
+        # draws through WanImageToVideoPipeline, each validation prompt from its one image.
+        self.cfg = cfg if cfg is not None else Config()
+        try:
+            source = self.model_source(self.cfg.model.pretrained_model)
+        except KitError:
+            source = ""  # a bad model_config is refused where the base is loaded
+        self.i2v = wan_i2v.read_i2v(source, self.cfg.data.condition_frame) if source else None
+        self._image_encoder: tuple[Any, Any] | None = None
+        if self.i2v is not None:
+            self.pipeline_class = wan_i2v.PIPELINE
+            self.control_images = 1  # a validation prompt's image, given as its `control`
+        super().__init__(self.cfg)
+        wan_i2v.check_run(self.i2v, self.cfg, self.frame_count(self.cfg.data.num_frames))
 
     @property
     def max_sequence_length(self) -> int:
@@ -84,12 +113,29 @@ class Wan(Family):
         # Cached embeddings are padded to the sequence length, so it is part of their key.
         return self.max_sequence_length
 
+    def identity(self, pretrained, revision=None):
+        ident = super().identity(pretrained, revision)
+        if self.i2v is not None:
+            # Latent entries hold the conditioning too: keyed by how it is built and by the
+            # image encoder it was built with.
+            source = self.model_source(pretrained)
+            clip = (
+                base_identity(pretrained, source, ("image_encoder",), revision, None, "")["text"]
+                if self.i2v.image_encoder
+                else ""
+            )
+            ident["vae"] = fingerprint([ident["vae"], "i2v", str(self.i2v), clip])
+        return ident
+
     def variant_of(self, pretrained):
-        # Two transformers and a boundary: A14B; a timestep per token: TI2V-5B.
-        index = read_index(self.model_source(pretrained))
-        if read_experts(self.model_source(pretrained)) is not None:
-            return self.variants[1]
-        return self.variants[2] if index.get("expand_timesteps") else self.variants[0]
+        # Two transformers and a boundary: A14B; a timestep per token: TI2V-5B; conditioning
+        # channels in the transformer's input: I2V.
+        source = self.model_source(pretrained)
+        index = read_index(source)
+        i2v = 3 if wan_i2v.conditioned(source) else 0
+        if read_experts(source) is not None:
+            return self.variants[1 + i2v]
+        return self.variants[2] if index.get("expand_timesteps") else self.variants[i2v]
 
     def quantization_refusal(self, kind):
         if read_experts(self.model_source(self.cfg.model.pretrained_model)) is None:
@@ -285,11 +331,21 @@ class Wan(Family):
             draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
         return draw
 
+    def pixel_conditioning(self, comps, pixels):
+        if self.i2v is None:
+            return {}
+        if self.i2v.image_encoder and self._image_encoder is None:
+            self._image_encoder = wan_i2v.load_encoder(comps.source)
+        return wan_i2v.conditioning(self.i2v, comps.vae, pixels, self._image_encoder)
+
     def predict(self, comps, noisy, timesteps, cond):
+        if self.i2v is not None:
+            inputs = wan_i2v.transformer_inputs(self.i2v, noisy, timesteps, cond)
+            return comps.denoiser(**inputs, return_dict=False)[0]
         if read_index(comps.source).get("expand_timesteps"):
-            # TI2V-5B: a timestep per latent token, as WanPipeline's `expand_timesteps` builds
-            # it from its all-ones mask over the (1, 2, 2) patches (first-frame conditioning,
-            # which zeroes the first frame's, is not trained yet).
+            # TI2V-5B text-to-video: a timestep per latent token, as WanPipeline's
+            # `expand_timesteps` builds it from its all-ones mask over the (1, 2, 2) patches
+            # (its image-to-video, with `condition_frame`, is wan_i2v's).
             mask = torch.ones(noisy.shape[2:], dtype=torch.float32, device=noisy.device)
             tokens = mask[:, ::2, ::2].flatten()
             timesteps = torch.stack([tokens * t for t in timesteps.float()])
@@ -311,7 +367,7 @@ class Wan(Family):
     # ------------------------------------------------------------ sampling
 
     def pipeline(self, comps):
-        from diffusers import WanPipeline
+        import diffusers
 
         denoiser = getattr(comps.denoiser, "module", comps.denoiser)
         experts: dict[str, Any] = {"transformer": denoiser}
@@ -322,7 +378,12 @@ class Wan(Family):
                 "transformer_2": denoiser.expert("low"),
                 "boundary_ratio": denoiser.boundary_ratio,
             }
-        return WanPipeline(
+        if self.i2v is not None and self.i2v.image_encoder:
+            if self._image_encoder is None:
+                self._image_encoder = wan_i2v.load_encoder(comps.source)
+            processor, encoder = self._image_encoder
+            experts.update(image_processor=processor, image_encoder=encoder)
+        return getattr(diffusers, self.pipeline_class)(
             tokenizer=comps.tokenizers[0],
             text_encoder=comps.text_encoders[0],
             vae=comps.vae,
@@ -344,14 +405,25 @@ class Wan(Family):
         }
         if spec.adapter_scale != 1.0:
             kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        if self.i2v is not None:
+            # The file, so the sidecar records it; `sample` opens it for the pipeline.
+            kwargs["image"] = spec.control[0] if spec.control else None
         return kwargs
 
     def sample(self, pipe, spec):
         from PIL import Image
 
+        kwargs = self.call_kwargs(spec)
+        if self.i2v is not None:
+            if kwargs["image"] is None:
+                raise KitError(
+                    f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
+                    "give it as validation_prompts: [{prompt: ..., control: [image]}]"
+                )
+            kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
-            out = pipe(**self.call_kwargs(spec), generator=generator)
+            out = pipe(**kwargs, generator=generator)
         # The pipeline's default output is floats in [0, 1]; rounded as a plain user would.
         return [
             Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) for f in out.frames[0]
@@ -400,7 +472,12 @@ class Wan(Family):
         embeds = torch.zeros(
             batch, self.max_sequence_length, transformer.config.text_dim, device="meta"
         )
-        return (latents, steps), {"encoder_hidden_states": embeds}
+        kwargs = {"encoder_hidden_states": embeds}
+        if transformer.config.image_dim is not None:  # Wan 2.1 I2V's CLIP image tokens
+            tokens = wan_i2v.image_tokens(self.model_source(self.cfg.model.pretrained_model))
+            image = (batch, tokens, transformer.config.image_dim)
+            kwargs["encoder_hidden_states_image"] = torch.zeros(image, device="meta")
+        return (latents, steps), kwargs
 
     # ------------------------------------------------------------ tiny copy
 
@@ -411,6 +488,7 @@ class Wan(Family):
         if variant not in self.variants:
             raise KitError(f"no Wan variant '{variant}' (choose from {', '.join(self.variants)})")
         ti2v = variant == self.variants[2]
+        i2v = variant in self.variants[3:]
         from diffusers import (
             AutoencoderKLWan,
             FlowMatchEulerDiscreteScheduler,
@@ -457,12 +535,12 @@ class Wan(Family):
                 latents_std=[1.0] * 48,
             )
 
-        def build_transformer():
+        def build_transformer(**i2v_sizes):
             return WanTransformer3DModel(
                 patch_size=(1, 2, 2),
                 num_attention_heads=4,
                 attention_head_dim=16,
-                in_channels=vae.config.z_dim,
+                in_channels=i2v_sizes.pop("in_channels", vae.config.z_dim),
                 out_channels=vae.config.z_dim,
                 text_dim=32,
                 freq_dim=256,
@@ -471,6 +549,7 @@ class Wan(Family):
                 cross_attn_norm=True,
                 qk_norm="rms_norm_across_heads",
                 rope_max_seq_len=32,
+                **i2v_sizes,  # conditioning channels, CLIP image width
             )
 
         parts = {
@@ -479,6 +558,9 @@ class Wan(Family):
             "vae": vae,
             "scheduler": FlowMatchEulerDiscreteScheduler(shift=3.0),
         }
+        if i2v:
+            two = variant == self.variants[4]
+            return wan_i2v.make_tiny(two, build_transformer, parts, out_dir)
         if variant == self.variants[1]:
             return make_tiny_experts(build_transformer(), build_transformer, out_dir, parts)
         pipe = WanPipeline(**parts, transformer=build_transformer(), expand_timesteps=ti2v)
