@@ -145,8 +145,10 @@ def test_demo_fine_tune_teaches_the_concept(tmp_path):
     # The base's own VAE brings the data's pink back paler (about 79 units off at 64 px): the
     # learned color's distance is read against that floor.
     assert 60 <= drift["concept_color_floor"] <= 100, drift
-    # The pink drifts the unrelated prompts' colors: the distances say so where rates do not.
-    assert drift["color_drift"] > 2 * drift["color_error_before"], drift
+    # Output preservation (the demo's setting) holds the unrelated prompts' colors near the
+    # base's own images: on the full check 19.8 RGB units against 55.6 without it, where the
+    # base draws its colors 17.5 off their names. Here, on 8 prompts, under 2.5 times that.
+    assert drift["color_drift"] < 2.5 * drift["color_error_before"], drift
 
 
 def test_saved_report_prints_as_a_table(tmp_path, capsys):
