@@ -11,6 +11,7 @@ from typing import Literal
 from PIL import ImageColor
 
 from kit.config.preservation import PreservationConfig, SliderConfig
+from kit.config.sources import SOURCE_FIELDS, SourceFields
 from kit.errors import ConfigError, at_least
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
@@ -39,7 +40,7 @@ class GenerateConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(SourceFields):
     name: str = ""
     """What reports call this dataset; empty takes its folder's name."""
     image_dir: str = field(default="", metadata=PATH)
@@ -88,8 +89,7 @@ class DatasetConfig:
     frame_stride: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.image_dir:
-            raise ConfigError("image_dir: every dataset needs its image folder")
+        self.check_source()
         if self.repeats < 1:
             raise ConfigError(f"repeats: {self.repeats} must be at least 1")
         if not self.loss_weight >= 0 or self.loss_weight == float("inf"):
@@ -102,7 +102,7 @@ class DatasetConfig:
     def overrides(self) -> dict[str, object]:
         """The data-section fields this dataset sets for itself."""
         own = {"name", "image_dir", "caption_dir", "mask_dir", "repeats", "role", "loss_weight"}
-        own.update(("target", "control_dir"))
+        own.update(("target", "control_dir", *SOURCE_FIELDS))
         out: dict[str, object] = {
             f.name: getattr(self, f.name)
             for f in dataclass_fields(self)

@@ -249,7 +249,8 @@ def plan_cache(
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     latent_dir = root / "latents" / identity["vae"]
     text_dir = root / "text" / identity["text"]
-    digests = [file_digest(s.image) for s in samples]
+    # A sample from a dataset, shard or bucket was digested by its scan (`Sample.blob`).
+    digests = [s.blob.digest if s.blob is not None else file_digest(s.image) for s in samples]
     twins = 2 if cfg.data.random_flip else 1
     if twins == 2:
         plan = with_mirrored(plan)

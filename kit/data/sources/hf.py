@@ -1,0 +1,65 @@
+"""A Hugging Face dataset as a training dataset: one sample per row of its image column, the
+caption from its caption column. The table is memory-mapped; a scan reads each image's header
+from it and digests its bytes; the pixels are decoded only when the cache encodes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kit.data.blob import Blob, open_dataset, read_range, sha256
+from kit.data.datasets import DatasetView
+from kit.data.samples import ScanReport
+from kit.data.sources.common import add_sample
+from kit.errors import DataError
+
+
+def scan_hf(view: DatasetView) -> ScanReport:
+    """Every row of the entry's `hf_dataset` split, as samples (or reported problems)."""
+    entry, cfg = view.entry, view.data
+    assert entry is not None
+    name, split = entry.hf_dataset, entry.split
+    ds = open_dataset(name, split)
+    for key in ("image_column", "caption_column"):
+        column = getattr(entry, key)
+        needed = key == "image_column" or cfg.caption_strategy == "textfile"
+        if needed and column not in ds.column_names:
+            raise DataError(
+                f"hf_dataset {name} ({split}) has no column {column!r} "
+                f"(its columns: {', '.join(ds.column_names)}); set {key}"
+            )
+    table = ds.data
+    images = table.column(entry.image_column)
+    captions = (
+        table.column(entry.caption_column).to_pylist()
+        if cfg.caption_strategy == "textfile"
+        else None
+    )
+    label = entry.source_name()
+    report = ScanReport()
+    cell = (name, split, entry.image_column)
+    row = 0
+    for chunk in images.chunks:
+        struct = chunk.type.num_fields > 0
+        for i in range(len(chunk)):
+            data = _cell(chunk, i, struct)
+            text = None if captions is None else captions[row]
+            blob = Blob(f"{label}[{row}]", sha256(data), start=row, size=len(data), table=cell)
+            add_sample(report, cfg, blob, data, None if text is None else str(text).strip())
+            row += 1
+    return report
+
+
+def _cell(chunk: Any, i: int, struct: bool) -> bytes | memoryview:
+    """One row's image bytes, without a copy where the table holds them: an Image column's bytes
+    (else the file its path names), a binary column's value, or the file a string column names."""
+    if struct:
+        value = chunk.field("bytes")[i]
+        if value.is_valid:
+            return memoryview(value.as_buffer())
+        path = chunk.field("path")[i].as_py()
+    elif str(chunk.type) in ("string", "large_string"):
+        path = chunk[i].as_py()
+    else:
+        value = chunk[i]
+        return memoryview(value.as_buffer()) if value.is_valid else b""
+    return read_range(path) if path else b""

@@ -1,0 +1,232 @@
+"""Datasets where they live: a Hugging Face dataset (parquet, a saved dataset), WebDataset tar
+shards, and an s3:// prefix on a real S3-compatible server (moto's, on a loopback port), each
+trained with a resume in the middle equal to the straight run; broken samples named and skipped."""
+
+from __future__ import annotations
+
+import json
+import socket
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kit.cli import main
+from kit.config import load_config
+from kit.data.blob import expand_braces, filesystem
+from kit.data.scan import check_dataset, scan
+from kit.data.sources.write import folder_records, write_parquet, write_shards
+from kit.errors import ConfigError, DataError
+from kit.run import checkpoint as ckpt
+
+datasets = pytest.importorskip("datasets")
+
+
+@pytest.fixture(autouse=True)
+def _hf_cache(tmp_path, monkeypatch):
+    """`datasets` prepares parquet into its cache: the test's own folder, not the user's."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+
+
+@pytest.fixture()
+def records(dataset):
+    """Eight of the toy images with their captions, as (key, ext, bytes, caption)."""
+    return folder_records(dataset)[:8]
+
+
+def _train_with_resume(make_config, tmp_path: Path, entry: dict) -> dict:
+    """Train 4 steps straight, and 2 + resume + 2: the two runs end on the same weights."""
+    from kit.train.loop import train
+
+    common = {"image_dir": "", "datasets": [entry], "max_train_steps": 4}
+    a = make_config("a.json", output_dir=str(tmp_path / "a"), **common)
+    b = make_config("b.json", output_dir=str(tmp_path / "b"), **common)
+    assert train(load_config(a)).step == 4
+
+    def stop(event):
+        if event["kind"] == "checkpoint" and event["step"] == 2:
+            raise KeyboardInterrupt
+
+    cfg_b = load_config(b)
+    assert train(cfg_b, callbacks=[stop]).interrupted
+    assert train(cfg_b, resume="latest").step == 4
+    wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", 4) / ckpt.ADAPTER_FILE))
+    wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
+
+
+def test_parquet_dataset_trains_and_resumes_exactly(tmp_path, make_config, records):
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    manifest = _train_with_resume(make_config, tmp_path, {"hf_dataset": str(path)})
+    assert len(manifest) == 8
+    assert {r["caption"] for r in manifest} == {r[3] for r in records}
+
+
+def test_tar_shards_train_and_resume_exactly(tmp_path, make_config, records):
+    pattern = write_shards(records, tmp_path / "shards", per_shard=3)
+    assert len(expand_braces(pattern)) == 3
+    manifest = _train_with_resume(make_config, tmp_path, {"shards": pattern})
+    assert len(manifest) == 8
+
+
+def test_saved_dataset_scans_like_its_parquet(tmp_path, records):
+    """A folder written by `save_to_disk` gives the same samples, captions and digests."""
+    from kit.config import from_dict
+
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    datasets.load_dataset("parquet", data_files=str(path), split="train").save_to_disk(
+        str(tmp_path / "saved")
+    )
+    got = [
+        scan(from_dict({"datasets": [{"hf_dataset": str(p)}]}).data).samples
+        for p in (path, tmp_path / "saved")
+    ]
+    assert [(s.caption, s.width, s.height, s.blob.digest) for s in got[0]] == [
+        (s.caption, s.width, s.height, s.blob.digest) for s in got[1]
+    ]
+    assert got[0][3].blob.read() == records[3][2]
+
+
+def test_a_corrupt_image_in_a_shard_is_named_and_skipped_alone(tmp_path, records):
+    from kit.config import from_dict
+
+    broken = [*records[:4], ("bad", "png", b"\x89PNG\r\n\x1a\n not an image", "x"), *records[4:]]
+    pattern = write_shards(broken, tmp_path / "shards", per_shard=4)
+    rep = scan(from_dict({"datasets": [{"shards": pattern}]}).data)
+    assert len(rep.samples) == 8
+    (name, why), = rep.unreadable
+    assert name.as_posix().endswith("train-000001.tar/bad.png")
+    assert "key bad" in why and "train-000001.tar" in why
+    assert "bad.png" in "; ".join(rep.problems())
+
+
+def test_a_shard_cut_short_keeps_what_came_before(tmp_path, records):
+    from kit.config import from_dict
+
+    pattern = write_shards(records, tmp_path / "shards", per_shard=8)
+    shard = Path(expand_braces(pattern)[0])
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    rep = scan(from_dict({"datasets": [{"shards": pattern}]}).data)
+    assert 0 < len(rep.samples) < 8
+    assert any("cut short" in why for _, why in rep.skipped)
+
+
+def test_bad_sources_give_one_clear_line(tmp_path, records, make_config):
+    from kit.config import from_dict
+
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    cfg = from_dict({"datasets": [{"hf_dataset": str(path), "caption_column": "caption"}]})
+    with pytest.raises(DataError, match=r"no column 'caption' \(its columns: image, text\)"):
+        check_dataset(cfg.data)
+    # A folder of parquet files names its splits by their file names: `test` is not one.
+    (tmp_path / "folder").mkdir()
+    path.rename(tmp_path / "folder" / "train.parquet")
+    cfg = from_dict({"datasets": [{"hf_dataset": str(tmp_path / "folder"), "split": "test"}]})
+    with pytest.raises(DataError, match=r"(?i)split.*test"):
+        check_dataset(cfg.data)
+    pattern = write_shards(records, tmp_path / "shards", per_shard=8)
+    missing = pattern.replace("000000}", "000001}")
+    cfg = from_dict({"datasets": [{"shards": missing}]})
+    with pytest.raises(DataError, match=r"shard .*train-000001.tar not found"):
+        check_dataset(cfg.data)
+    (tmp_path / "junk.tar").write_bytes(b"not a tar file at all" * 40)
+    cfg = from_dict({"datasets": [{"shards": str(tmp_path / "junk.tar")}]})
+    with pytest.raises(DataError, match="junk.tar is not an uncompressed tar file"):
+        check_dataset(cfg.data)
+    with pytest.raises(ConfigError, match="one source"):
+        from_dict({"datasets": [{"shards": pattern, "hf_dataset": str(path)}]})
+    # Through the command line: one line, no traceback.
+    bad = make_config("bad.json", image_dir="", datasets=[{"shards": missing}])
+    assert main(["buckets", str(bad)]) != 0
+
+
+def test_buckets_report_reads_shards(tmp_path, make_config, records, capsys):
+    pattern = write_shards(records, tmp_path / "shards", per_shard=3)
+    path = make_config("c.json", image_dir="", datasets=[{"shards": pattern, "repeats": 2}])
+    assert main(["buckets", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["images"] == 8 and report["samples_per_epoch"] == 16
+
+
+# ------------------------------------------------------------------------- a real S3 server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def s3(monkeypatch):
+    """An S3-compatible server (moto's server mode) on a free loopback port, with a bucket
+    `kit-data`; credentials and endpoint in the environment only, as a user gives them."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    import s3fs
+
+    port = _free_port()
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+    }.items():
+        monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    filesystem.cache_clear()
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("kit-data")
+    yield fs
+    s3fs.S3FileSystem.clear_instance_cache()
+    filesystem.cache_clear()
+    server.stop()
+
+
+def test_s3_prefix_trains_and_resumes_exactly(tmp_path, make_config, records, s3):
+    for key, ext, data, caption in records:
+        s3.pipe(f"kit-data/toy/{key}.{ext}", data)
+        s3.pipe(f"kit-data/toy/{key}.txt", caption.encode())
+    manifest = _train_with_resume(make_config, tmp_path, {"image_dir": "s3://kit-data/toy"})
+    assert len(manifest) == 8
+    assert all(r["image"].startswith("s3:/kit-data/toy/") for r in manifest)
+
+
+def test_s3_shards_and_a_changed_object_re_encodes_alone(tmp_path, records, s3):
+    from kit.config import from_dict
+
+    pattern = write_shards(records, tmp_path / "shards", per_shard=4)
+    for shard in expand_braces(pattern):
+        s3.put(shard, f"kit-data/shards/{Path(shard).name}")
+    remote = from_dict({"datasets": [{"shards": "s3://kit-data/shards/train-{000000..000001}.tar"}]})
+    local = from_dict({"datasets": [{"shards": pattern}]})
+    a, b = scan(remote.data).samples, scan(local.data).samples
+    assert [s.blob.digest for s in a] == [s.blob.digest for s in b]
+    assert a[5].blob.read() == b[5].blob.read() == records[5][2]
+    # A folder on S3 is keyed by the objects' ETags: a changed object changes its key alone.
+    for key, ext, data, caption in records:
+        s3.pipe(f"kit-data/toy/{key}.{ext}", data)
+        s3.pipe(f"kit-data/toy/{key}.txt", caption.encode())
+    folder = from_dict({"datasets": [{"image_dir": "s3://kit-data/toy"}]})
+    before = [s.blob.digest for s in scan(folder.data).samples]
+    key, ext, _, _ = records[2]
+    s3.pipe(f"kit-data/toy/{key}.{ext}", records[3][2])
+    s3.invalidate_cache()
+    filesystem.cache_clear()
+    after = [s.blob.digest for s in scan(folder.data).samples]
+    assert [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if x != y] == [2]
+
+
+def test_tar_member_layout_matches_webdataset(tmp_path, records):
+    """Shards written here are what WebDataset reads: per key an image and a .txt, in order."""
+    pattern = write_shards(records[:2], tmp_path / "shards", per_shard=2)
+    with tarfile.open(expand_braces(pattern)[0]) as tar:
+        names = tar.getnames()
+    assert names == [f"{records[0][0]}.png", f"{records[0][0]}.txt", f"{records[1][0]}.png",
+                     f"{records[1][0]}.txt"]
