@@ -28,6 +28,7 @@ datasets = pytest.importorskip("datasets")
 def _hf_cache(tmp_path, monkeypatch):
     """`datasets` prepares parquet into its cache: the test's own folder, not the user's."""
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # saved shard scans
 
 
 @pytest.fixture()
@@ -97,7 +98,7 @@ def test_a_corrupt_image_in_a_shard_is_named_and_skipped_alone(tmp_path, records
     pattern = write_shards(broken, tmp_path / "shards", per_shard=4)
     rep = scan(from_dict({"datasets": [{"shards": pattern}]}).data)
     assert len(rep.samples) == 8
-    (name, why), = rep.unreadable
+    ((name, why),) = rep.unreadable
     assert name.as_posix().endswith("train-000001.tar/bad.png")
     assert "key bad" in why and "train-000001.tar" in why
     assert "bad.png" in "; ".join(rep.problems())
@@ -184,6 +185,7 @@ def s3(monkeypatch):
     fs = s3fs.S3FileSystem()
     fs.mkdir("kit-data")
     yield fs
+    fs.rm("kit-data", recursive=True)  # moto's state outlives its server, within this process
     s3fs.S3FileSystem.clear_instance_cache()
     filesystem.cache_clear()
     server.stop()
@@ -204,7 +206,9 @@ def test_s3_shards_and_a_changed_object_re_encodes_alone(tmp_path, records, s3):
     pattern = write_shards(records, tmp_path / "shards", per_shard=4)
     for shard in expand_braces(pattern):
         s3.put(shard, f"kit-data/shards/{Path(shard).name}")
-    remote = from_dict({"datasets": [{"shards": "s3://kit-data/shards/train-{000000..000001}.tar"}]})
+    remote = from_dict(
+        {"datasets": [{"shards": "s3://kit-data/shards/train-{000000..000001}.tar"}]}
+    )
     local = from_dict({"datasets": [{"shards": pattern}]})
     a, b = scan(remote.data).samples, scan(local.data).samples
     assert [s.blob.digest for s in a] == [s.blob.digest for s in b]
@@ -228,5 +232,60 @@ def test_tar_member_layout_matches_webdataset(tmp_path, records):
     pattern = write_shards(records[:2], tmp_path / "shards", per_shard=2)
     with tarfile.open(expand_braces(pattern)[0]) as tar:
         names = tar.getnames()
-    assert names == [f"{records[0][0]}.png", f"{records[0][0]}.txt", f"{records[1][0]}.png",
-                     f"{records[1][0]}.txt"]
+    assert names == [
+        f"{records[0][0]}.png",
+        f"{records[0][0]}.txt",
+        f"{records[1][0]}.png",
+        f"{records[1][0]}.txt",
+    ]
+
+
+def test_a_shard_scan_is_saved_and_shared(tmp_path, records, monkeypatch):
+    """A shard is read once: the next scan (another run, another process) reads its saved scan;
+    a process of a launch starts at its own shards; a changed shard is read again."""
+    from kit.config import from_dict
+    from kit.data.sources import index, tar
+
+    pattern = write_shards(records, tmp_path / "shards", per_shard=2)
+    cfg = from_dict({"datasets": [{"shards": pattern}]})
+    first = scan(cfg.data).samples
+    read = []
+    monkeypatch.setattr(tar, "_open", lambda shard: read.append(shard) or open(shard, "rb"))
+    again = scan(cfg.data).samples
+    assert read == [] and [(s.image, s.blob) for s in again] == [(s.image, s.blob) for s in first]
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert index.rotated(expand_braces(pattern)) == [
+        *expand_braces(pattern)[2:],
+        *expand_braces(pattern)[:2],
+    ]
+    shard = Path(expand_braces(pattern)[1])
+    write_shards(records[2:4][::-1], tmp_path / "other", per_shard=2)
+    (tmp_path / "other" / "train-000000.tar").replace(shard)
+    third = scan(cfg.data).samples
+    assert read == [str(shard)]
+    assert [s.caption for s in third[2:4]] == [records[3][3], records[2][3]]
+
+
+def test_auto_cache_format_shards_large_datasets_only(tmp_path):
+    from kit.data.store import AUTO_SHARDS, auto_format
+
+    entry = tmp_path / "entry.safetensors"
+    assert auto_format("auto", 8, entry) == "files"
+    assert auto_format("auto", AUTO_SHARDS, entry) == "shards"
+    entry.write_bytes(b"x")  # a cache written as files before stays in use
+    assert auto_format("auto", AUTO_SHARDS, entry) == "files"
+    assert auto_format("files", 10**6, None) == "files"
+
+
+def test_notebook_shows_images_of_shards(tmp_path, records):
+    """Notebook 02 shows a bucket's images: a shard's sample is read from its shard."""
+    import base64
+
+    from kit.config import from_dict
+    from kit.ui.widgets import show_images
+
+    pattern = write_shards(records, tmp_path / "shards", per_shard=4)
+    samples = scan(from_dict({"datasets": [{"shards": pattern}]}).data).samples
+    html = show_images(samples[:2]).data
+    assert base64.b64encode(records[1][2]).decode() in html and records[1][0] in html

@@ -183,11 +183,11 @@ class DataConfig:
     """Crop to the bucket at the centre; false crops at a seeded random offset."""
     cache_dir: str = field(default="", metadata=PATH)
     """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
-    cache_format: Literal["files", "shards"] = "files"
-    """How cache entries are stored: one safetensors file per entry (`files`), or packed into
-    safetensors shards of 500 entries with an index per folder (`shards`: about N/500 files for
-    N images; each shard is checked against its checksums once per run, a damaged one is
-    rebuilt). The two hold the same tensors: a run trains alike on either."""
+    cache_format: Literal["auto", "files", "shards"] = "auto"
+    """How cache entries are stored: a safetensors file per entry (`files`), or shards of 500 with
+    an index per folder (`shards`: about N/500 files for N images, checked against checksums once
+    per run, a damaged one rebuilt); `auto`: shards from 2,000 images on (files below, or where a
+    files cache exists). The two hold the same tensors: a run trains alike on either."""
     cache_compression: Literal["none", "zlib"] = "none"
     """`shards`: zlib-compress each entry (`zlib`), lossless: smaller (30% on the cache
     benchmark's entries), slower to write, and slower to read than uncompressed shards."""

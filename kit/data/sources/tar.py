@@ -9,6 +9,7 @@ cut short keeps the samples before the cut.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tarfile
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import IO
 from kit.data.blob import Blob, expand_braces, filesystem, is_url, local_path, sha256
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
+from kit.data.sources import index
 from kit.data.sources.common import add_sample, caption_text
 from kit.data.video import FRAME_EXTS
 from kit.errors import DataError
@@ -65,9 +67,20 @@ def scan_shards(view: DatasetView) -> ScanReport:
     """Every sample of every shard the entry's `shards` pattern names."""
     assert view.entry is not None
     names = shard_names(view.entry.shards)
+    folder = index.scan_dir(view.data)
+    parts: dict[str, ScanReport] = {}
+    for shard in index.rotated(names):  # each process of a launch starts at its own shards
+        name = index.key(shard, view.data)
+        part = index.load(folder, name)
+        if part is None:
+            part = ScanReport()
+            _read_shard(shard, view, part)
+            index.save(folder, name, part)
+        parts[shard] = part
     report = ScanReport()
-    for shard in names:
-        _read_shard(shard, view, report)
+    for shard in names:  # in the pattern's order, whichever process scanned what
+        for f in dataclasses.fields(ScanReport):
+            getattr(report, f.name).extend(getattr(parts[shard], f.name))
     return report
 
 

@@ -10,7 +10,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-
 def write_shards(
     records: Iterable[tuple[str, str, bytes, str]], folder: str | Path, per_shard: int = 1000
 ) -> str:
