@@ -3,8 +3,8 @@ parquet file (`hf_dataset`) and as WebDataset tar shards (`shards`), each scanne
 the kit, against reading the same bytes bare (the floor). Ratios are measured in one run, and the
 rates are projected to 1.4 M images on 8 processes.
 
-1. scan: `kit.data.scan.scan` (sizes from headers, captions, content digests; for shards the first
-   pass, then a second run reading the saved scans) vs. the floor: the source's bytes read
+1. scan: `kit.data.scan.scan` (sizes from headers, captions, content digests; for shards and
+   parquet the first pass, then a second run reading the saved scans) vs. the floor: the source's bytes read
    plainly (every file; the parquet's image column; every shard front to back);
 2. decode: what the cache build does per image before the VAE (read its bytes from the source,
    decode, fit to the bucket) on the first `--decode` samples, vs. the floor: the same bytes read.
@@ -132,7 +132,7 @@ def main() -> None:
         floor_s, nbytes = timed(floors[name])
         scan_s, rep = timed(lambda cfg=cfg: scan(cfg.data))
         assert len(rep.samples) == args.n, rep.summary()
-        again_s = timed(lambda cfg=cfg: scan(cfg.data))[0] if name == "shards" else None
+        again_s = timed(lambda cfg=cfg: scan(cfg.data))[0] if name != "folder" else None
         k = min(args.decode, args.n)
         dec_s = decode(cfg, k)
         dec_floor = floor_s * k / args.n
@@ -155,7 +155,7 @@ def main() -> None:
         "(from the rates above, one core per process, VAE time not included):"
     )
     for name, _floor, rate, again, dec, _df, _ds in rows:
-        share = TARGET_PROCESSES if name == "shards" else 1  # shard scans are shared
+        share = TARGET_PROCESSES if name != "folder" else 1  # shards' and rows' scans are shared
         scan_h = TARGET_IMAGES / rate / share / 3600
         dec_h = TARGET_IMAGES / (dec * TARGET_PROCESSES) / 3600
         line = f"- {name}: scan {scan_h:.2f} h per process"

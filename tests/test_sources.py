@@ -89,6 +89,11 @@ def test_saved_dataset_scans_like_its_parquet(tmp_path, records):
         (s.caption, s.width, s.height, s.blob.digest) for s in got[1]
     ]
     assert got[0][3].blob.read() == records[3][2]
+    # The scan was saved: read again, it gives the same samples, each readable.
+    again = scan(from_dict({"datasets": [{"hf_dataset": str(path)}]}).data).samples
+    assert [(s.image, s.blob) for s in again] == [(s.image, s.blob) for s in got[0]]
+    assert again[3].blob.read() == records[3][2]
+    assert list((tmp_path / "xdg" / "kit" / "scans").glob("*.json"))
 
 
 def test_a_corrupt_image_in_a_shard_is_named_and_skipped_alone(tmp_path, records):

@@ -4,13 +4,19 @@ from it and digests its bytes; the pixels are decoded only when the cache encode
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any
 
 from kit.data.blob import Blob, open_dataset, read_range, sha256
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
+from kit.data.sources import index
 from kit.data.sources.common import add_sample
 from kit.errors import DataError
+
+BLOCK = 10_000
+"""Rows scanned (and their scan saved) together: the unit the processes of a launch share."""
 
 
 def scan_hf(view: DatasetView) -> ScanReport:
@@ -27,7 +33,40 @@ def scan_hf(view: DatasetView) -> ScanReport:
                 f"hf_dataset {name} ({split}) has no column {column!r} "
                 f"(its columns: {', '.join(ds.column_names)}); set {key}"
             )
-    table = ds.data
+    ident = _identity(ds)
+    folder = index.scan_dir(cfg)
+    blocks = [(a, min(a + BLOCK, len(ds))) for a in range(0, len(ds), BLOCK)]
+    parts: dict[tuple[int, int], ScanReport] = {}
+    for rows in index.rotated(blocks):  # each process of a launch starts at its own rows
+        unit = f"{name} ({split}) {entry.image_column} {entry.caption_column} rows {rows}"
+        key = index.key(unit, cfg, ident)
+        part = index.load(folder, key)
+        if part is None:
+            part = _scan_rows(ds, view, rows)
+            index.save(folder, key, part)
+        parts[rows] = part
+    report = ScanReport()
+    for rows in blocks:
+        for f in dataclasses.fields(ScanReport):
+            getattr(report, f.name).extend(getattr(parts[rows], f.name))
+    return report
+
+
+def _identity(ds: Any) -> list[Any] | None:
+    """What changes when the dataset does: its Arrow files' names, sizes and times (None for a
+    dataset in memory, whose scan is not kept)."""
+    try:
+        files = [f["filename"] for f in ds.cache_files]
+        return [[f, os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files] or None
+    except (OSError, KeyError, TypeError):
+        return None
+
+
+def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
+    """The samples of a block of rows, read from the memory-mapped table."""
+    entry, cfg = view.entry, view.data
+    assert entry is not None
+    table = ds.data.slice(rows[0], rows[1] - rows[0])
     images = table.column(entry.image_column)
     captions = (
         table.column(entry.caption_column).to_pylist()
@@ -36,13 +75,13 @@ def scan_hf(view: DatasetView) -> ScanReport:
     )
     label = entry.source_name()
     report = ScanReport()
-    cell = (name, split, entry.image_column)
-    row = 0
+    cell = (entry.hf_dataset, entry.split, entry.image_column)
+    row = rows[0]
     for chunk in images.chunks:
         struct = chunk.type.num_fields > 0
         for i in range(len(chunk)):
             data = _cell(chunk, i, struct)
-            text = None if captions is None else captions[row]
+            text = None if captions is None else captions[row - rows[0]]
             blob = Blob(f"{label}[{row}]", sha256(data), start=row, size=len(data), table=cell)
             add_sample(report, cfg, blob, data, None if text is None else str(text).strip())
             row += 1

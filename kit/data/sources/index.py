@@ -1,4 +1,4 @@
-"""A shard's scan, kept: the samples and problems one tar shard gave, saved in the cache folder
+"""A shard's scan, kept: the samples and problems one tar shard (or one block of a dataset's rows) gave, saved in the cache folder
 under a key of the shard's identity (its location, size and modification time or ETag) and of
 the settings the scan used. A later run, or another process of the same launch, reads the saved
 scan instead of the shard: at a million images a scan reads every byte once, not once per run.
@@ -48,9 +48,10 @@ def identity(shard: str) -> list[Any] | None:
         return None
 
 
-def key(shard: str, cfg: DataConfig) -> str | None:
-    """The saved scan's name: the shard, its identity and the settings the scan applied."""
-    ident = identity(shard)
+def key(shard: str, cfg: DataConfig, ident: Any = ()) -> str | None:
+    """The saved scan's name: the shard (or a part of a dataset), its identity (by default the
+    shard's own, see `identity`) and the settings the scan applied."""
+    ident = identity(shard) if ident == () else ident
     if ident is None:
         return None
     used = [
@@ -72,7 +73,8 @@ def load(folder: Path, name: str | None) -> ScanReport | None:
         return None
     report = ScanReport()
     for name_, caption, w, h, digest, location, start, size in raw["samples"]:
-        blob = Blob(name_, digest, location, start, size)
+        table = tuple(location) if isinstance(location, list) else None  # a dataset's cell
+        blob = Blob(name_, digest, "" if table else location, start, size, table)
         report.samples.append(Sample(Path(name_), caption, w, h, blob=blob))
     for f in _LISTS:
         getattr(report, f).extend(Path(p) for p in raw[f])
@@ -86,7 +88,7 @@ def save(folder: Path, name: str | None, report: ScanReport) -> None:
     if name is None:
         return
     samples = [
-        [s.blob.name, s.caption, s.width, s.height, s.blob.digest, s.blob.location]
+        [s.blob.name, s.caption, s.width, s.height, s.blob.digest, s.blob.table or s.blob.location]
         + [s.blob.start, s.blob.size]
         for s in report.samples
         if s.blob is not None
