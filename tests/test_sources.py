@@ -143,6 +143,21 @@ def test_bad_sources_give_one_clear_line(tmp_path, records, make_config):
     cfg = from_dict({"datasets": [{"shards": str(tmp_path / "junk.tar")}]})
     with pytest.raises(DataError, match="junk.tar is not an uncompressed tar file"):
         check_dataset(cfg.data)
+    from kit.data.masks import plan_masks
+
+    masked = from_dict(
+        {"datasets": [{"hf_dataset": str(tmp_path / "folder"), "masked_loss": True}]}
+    )
+    with pytest.raises(DataError, match="masks are read from local folders only"):
+        plan_masks(masked)
+    with pytest.raises(ConfigError, match="drawn into a local image_dir"):
+        from_dict(
+            {
+                "datasets": [
+                    {"shards": pattern, "role": "prior", "generate": {"count": 2, "prompt": "x"}}
+                ]
+            }
+        )
     with pytest.raises(ConfigError, match="one source"):
         from_dict({"datasets": [{"shards": pattern, "hf_dataset": str(path)}]})
     # Through the command line: one line, no traceback.

@@ -42,6 +42,12 @@ class SourceFields:
             )
         if len(given) > 1:
             raise ConfigError(f"{' and '.join(given)}: give a dataset one source, not several")
+        generate = getattr(self, "generate", None)
+        folder = getattr(self, "image_dir", "")
+        if generate is not None and generate.count and (not folder or URL.match(folder)):
+            raise ConfigError(
+                "generate: class images are drawn into a local image_dir; give the entry one"
+            )
         if self.hf_dataset and not (self.image_column and self.caption_column and self.split):
             raise ConfigError("hf_dataset: split, image_column and caption_column must be set")
 

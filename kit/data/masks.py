@@ -162,6 +162,11 @@ def mask_source(sample: Sample, cfg: DataConfig, view: DatasetView | None = None
     if not view.data.masked_loss:
         # A dataset trained whole (its own `masked_loss: false`) beside masked ones.
         return MaskSource(image, None, WHOLE, where.label)
+    if sample.blob is not None:
+        raise DataError(
+            f"{where.label}: {sample.blob.name}: masks are read from local folders only; set "
+            "this dataset's masked_loss false (masked_loss)"
+        )
     if where.mask_dir is None:
         if sample.clip:
             raise DataError(
