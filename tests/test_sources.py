@@ -309,3 +309,34 @@ def test_notebook_shows_images_of_shards(tmp_path, records):
     samples = scan(from_dict({"datasets": [{"shards": pattern}]}).data).samples
     html = show_images(samples[:2]).data
     assert base64.b64encode(records[1][2]).decode() in html and records[1][0] in html
+
+
+def test_tar_reader_agrees_with_tarfile():
+    """The shard reader gives each file's name, data offset and bytes as tarfile does, long
+    names (pax, GNU) and non-ASCII ones included; folders are passed over."""
+    import io
+
+    from kit.data.sources.tar import members
+
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT):
+        buf = io.BytesIO()
+        files = [("a/" + "x" * 90 + ".jpg", b"1" * 700), ("b.txt", b"hi"), ("ü/é.png", b"2" * 512)]
+        if fmt != tarfile.USTAR_FORMAT:
+            files.append(("c/" + "y" * 150 + ".png", b"3" * 5000))
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+            for name, data in files:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+            folder = tarfile.TarInfo("dir")
+            folder.type = tarfile.DIRTYPE
+            t.addfile(folder)
+        raw = buf.getvalue()
+        with tarfile.open(fileobj=io.BytesIO(raw)) as t:
+            ref = [
+                (m.name, m.offset_data, raw[m.offset_data : m.offset_data + m.size])
+                for m in t
+                if m.isfile()
+            ]
+        assert list(members(io.BytesIO(raw))) == ref
+        assert [r[0] for r in ref] == [name for name, _ in files]

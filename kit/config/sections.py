@@ -155,9 +155,9 @@ class ValidationPrompt:
 @dataclass
 class DataConfig:
     data_backend: Literal["local"] = "local"
-    """Where images are read from; `local` is a folder on this machine."""
+    """`local`; where images live is each dataset's own (a folder or URL, `hf_dataset`, `shards`)."""
     image_dir: str = field(default="", metadata=PATH)
-    """Folder of training images (png, jpg, jpeg, webp, bmp); subfolders are read too."""
+    """Folder (or fsspec URL, `s3://bucket/prefix`) of training images; subfolders are read too."""
     caption_dir: str = field(default="", metadata=PATH)
     """Folder of same-stem caption files; empty means captions lie beside the images."""
     caption_strategy: Literal["textfile", "filename", "instanceprompt"] = "textfile"

@@ -30,7 +30,7 @@ def write_shards(
             close()
             shard, count = shard + 1, 0
             tmp = folder / f".train-{shard:06d}.tar.part"
-            tar = tarfile.open(tmp, "w", format=tarfile.USTAR_FORMAT)
+            tar = tarfile.open(tmp, "w")  # pax, as WebDataset's writer
         for name, payload in ((f"{key}.{ext}", data), (f"{key}.txt", caption.encode())):
             info = tarfile.TarInfo(name)
             info.size, info.mtime, info.mode = len(payload), 0, 0o644
