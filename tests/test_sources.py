@@ -139,6 +139,12 @@ def test_bad_sources_give_one_clear_line(tmp_path, records, make_config):
     cfg = from_dict({"datasets": [{"shards": missing}]})
     with pytest.raises(DataError, match=r"shard .*train-000001.tar not found"):
         check_dataset(cfg.data)
+    # A dataset whose every sample is broken names its first problem.
+    broken = [(k, e, b"\x89PNG\r\n\x1a\n cut", c) for k, e, _, c in records[:2]]
+    gone = write_shards(broken, tmp_path / "broken", per_shard=2)
+    cfg = from_dict({"datasets": [{"shards": gone}]})
+    with pytest.raises(DataError, match=r"no usable images in shards .*all 2 file\(s\) skipped"):
+        check_dataset(cfg.data)
     (tmp_path / "junk.tar").write_bytes(b"not a tar file at all" * 40)
     cfg = from_dict({"datasets": [{"shards": str(tmp_path / "junk.tar")}]})
     with pytest.raises(DataError, match="junk.tar is not an uncompressed tar file"):

@@ -22,7 +22,7 @@ from kit.data.images import DEFAULT_MAX_PIXELS, probe
 from kit.data.pairs import pair_controls
 from kit.data.paths import caption_path
 from kit.data.samples import Sample, ScanReport
-from kit.data.sources import describe, elsewhere, scan_source
+from kit.data.sources import describe, elsewhere, owns, scan_source
 from kit.errors import DataError
 
 IMAGE_EXTS = set(video.FRAME_EXTS)
@@ -462,7 +462,11 @@ def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
     for view in views(cfg) if cfg.datasets else []:
         if not any(s.dataset == view.index for s in report.samples):
             at = describe(view)
-            mine = [d for d in report.dropped() if _within(d[0], at)]
+            mine = [
+                d
+                for d in report.dropped()
+                if (owns(view, d[0]) if elsewhere(view) else _within(d[0], at))
+            ]
             why = f": all {len(mine)} file(s) skipped ({mine[0][0]}: {mine[0][1]})" if mine else ""
             raise DataError(
                 f"{view.where}: no usable images in {at}{why}"

@@ -7,12 +7,14 @@ are, so captions, repeats, roles, buckets, the cache and resume treat every sour
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from kit.data.blob import is_url
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources.hf import scan_hf
 from kit.data.sources.remote import scan_url_folder
-from kit.data.sources.tar import scan_shards
+from kit.data.sources.tar import scan_shards, shard_names
 
 
 def elsewhere(view: DatasetView) -> bool:
@@ -31,6 +33,16 @@ def describe(view: DatasetView) -> str:
     if entry is not None and entry.shards:
         return f"shards {entry.shards}"
     return view.data.image_dir
+
+
+def owns(view: DatasetView, name: str | Path) -> bool:
+    """Whether a reported file (a sample's name) comes from this non-folder dataset."""
+    entry, text = view.entry, str(name)
+    if entry is not None and entry.hf_dataset:
+        return text.startswith(entry.source_name() + "[")
+    if entry is not None and entry.shards:
+        return any(text.startswith(s + "/") or text == s for s in shard_names(entry.shards))
+    return text.startswith(str(Path(view.data.image_dir)))
 
 
 def scan_source(view: DatasetView) -> ScanReport:
