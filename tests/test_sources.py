@@ -346,3 +346,19 @@ def test_tar_reader_agrees_with_tarfile():
             ]
         assert list(members(io.BytesIO(raw))) == ref
         assert [r[0] for r in ref] == [name for name, _ in files]
+
+
+@pytest.mark.slow
+def test_two_processes_on_shards_match_one(tmp_path, records, two_processes_and_one):
+    """Two processes reading the same shards (each scanning from its own shard, each encoding
+    its share of the cache) train as one process with twice the accumulation."""
+    pattern = write_shards(records, tmp_path / "shards", per_shard=2)
+    ddp, one = two_processes_and_one(
+        image_dir="", datasets=[{"shards": pattern}], max_train_steps=2, checkpointing_steps=0
+    )
+    a = load_file(str(ckpt.checkpoint_dir(ddp, 2) / ckpt.ADAPTER_FILE))
+    b = load_file(str(ckpt.checkpoint_dir(one, 2) / ckpt.ADAPTER_FILE))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    # Four shards, one saved scan each, whichever process wrote it (the key is the shard's).
+    assert len(list((tmp_path / "cache" / "scans").glob("*.json"))) == 4
