@@ -154,7 +154,7 @@ def test_bad_sources_give_one_clear_line(tmp_path, records, make_config):
     masked = from_dict(
         {"datasets": [{"hf_dataset": str(tmp_path / "folder"), "masked_loss": True}]}
     )
-    with pytest.raises(DataError, match="masks are read from local folders only"):
+    with pytest.raises(DataError, match="no alpha channel to take its mask from.*mask_column"):
         plan_masks(masked)
     with pytest.raises(ConfigError, match="drawn into a local image_dir"):
         from_dict(
@@ -362,3 +362,48 @@ def test_two_processes_on_shards_match_one(tmp_path, records, two_processes_and_
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     # Four shards, one saved scan each, whichever process wrote it (the key is the shard's).
     assert len(list((tmp_path / "cache" / "scans").glob("*.json"))) == 4
+
+
+def test_mask_column_gives_each_row_its_mask(tmp_path, records):
+    """`mask_column`: each row's mask is read from the dataset (lazily, keyed by its digest); a
+    mask of another size than its image is refused with the key to fix."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from kit.config import from_dict
+    from kit.data.masks import plan_masks, read_mask
+
+    def mask_png(size):
+        im = Image.new("L", size, 0)
+        im.paste(255, (0, 0, size[0] // 2, size[1]))
+        buf = io.BytesIO()
+        im.save(buf, "PNG")
+        return buf.getvalue()
+
+    sizes = [Image.open(io.BytesIO(data)).size for _, _, data, _ in records]
+    masks = [mask_png(size) for size in sizes]
+    masks[5] = mask_png((sizes[5][0] + 8, sizes[5][1]))  # the wrong size
+    features = datasets.Features(
+        {"image": datasets.Image(), "text": datasets.Value("string"), "mask": datasets.Image()}
+    )
+    ds = datasets.Dataset.from_dict(
+        {
+            "image": [{"bytes": r[2], "path": None} for r in records],
+            "text": [r[3] for r in records],
+            "mask": [{"bytes": m, "path": None} for m in masks],
+        },
+        features=features,
+    )
+    ds.to_parquet(str(tmp_path / "masked.parquet"))
+    entry = {"hf_dataset": str(tmp_path / "masked.parquet"), "mask_column": "mask"}
+    cfg = from_dict({"datasets": [entry], "masked_loss": True})
+    plan = plan_masks(cfg)
+    assert len(plan.scanned.samples) == 7
+    ((image, why),) = plan.refused
+    assert "mask masked.parquet[5].mask is" in why and "(mask_column)" in why
+    source = plan.for_samples(plan.scanned.samples[:1])[0]
+    got = read_mask(source)
+    assert got.shape == sizes[0][::-1] and abs(float(np.mean(got)) - 0.5) < 0.05
+    assert source.digest == plan.scanned.samples[0].mask.digest

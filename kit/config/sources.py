@@ -27,6 +27,9 @@ class SourceFields:
     """`hf_dataset`: the column of images (an Image column, bytes, or a path/URL per row)."""
     caption_column: str = "text"
     """`hf_dataset`: the column of captions (with `caption_strategy` textfile)."""
+    mask_column: str = ""
+    """`hf_dataset`: a column of loss masks for `masked_loss` (white = learn), each the size of
+    its image; empty: the images' alpha channel."""
     shards: str = field(default="", metadata=SHARDS)
     """WebDataset tar shards, a path or URL pattern (`data/train-{000000..000099}.tar`,
     `s3://bucket/train-{0000..0999}.tar`): per key an image and a caption (.txt, .caption, or
@@ -48,6 +51,8 @@ class SourceFields:
             raise ConfigError(
                 "generate: class images are drawn into a local image_dir; give the entry one"
             )
+        if self.mask_column and not self.hf_dataset:
+            raise ConfigError("mask_column: masks are read from an hf_dataset's column")
         if self.hf_dataset and not (self.image_column and self.caption_column and self.split):
             raise ConfigError("hf_dataset: split, image_column and caption_column must be set")
 
@@ -57,5 +62,5 @@ class SourceFields:
         return where.rstrip("/").rsplit("/", 1)[-1].split("{", 1)[0].rstrip("-_.") or where
 
 
-SOURCE_FIELDS = ("hf_dataset", "split", "image_column", "caption_column", "shards")
+SOURCE_FIELDS = ("hf_dataset", "split", "image_column", "caption_column", "mask_column", "shards")
 """The entry fields above: not data-section settings, so a view does not take them over."""

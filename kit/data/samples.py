@@ -40,6 +40,8 @@ class Sample:
     blob: Blob | None = None
     """Where the image's bytes are when it is no local file (a dataset row, a tar shard's member,
     an object in a bucket); `image` then only names it. None: `image` is the file."""
+    mask: Blob | None = None
+    """The loss mask read with the sample from its source (`mask_column`), for `masked_loss`."""
 
 
 @dataclass

@@ -25,9 +25,11 @@ def scan_hf(view: DatasetView) -> ScanReport:
     assert entry is not None
     name, split = entry.hf_dataset, entry.split
     ds = open_dataset(name, split)
-    for key in ("image_column", "caption_column"):
+    for key in ("image_column", "caption_column", "mask_column"):
         column = getattr(entry, key)
-        needed = key == "image_column" or cfg.caption_strategy == "textfile"
+        needed = key == "image_column" or (
+            cfg.caption_strategy == "textfile" if key == "caption_column" else bool(column)
+        )
         if needed and column not in ds.column_names:
             raise DataError(
                 f"hf_dataset {name} ({split}) has no column {column!r} "
@@ -38,7 +40,8 @@ def scan_hf(view: DatasetView) -> ScanReport:
     blocks = [(a, min(a + BLOCK, len(ds))) for a in range(0, len(ds), BLOCK)]
     parts: dict[tuple[int, int], ScanReport] = {}
     for rows in index.rotated(blocks):  # each process of a launch starts at its own rows
-        unit = f"{name} ({split}) {entry.image_column} {entry.caption_column} rows {rows}"
+        columns = f"{entry.image_column} {entry.caption_column} {entry.mask_column}"
+        unit = f"{name} ({split}) {columns} rows {rows}"
         key = index.key(unit, cfg, ident)
         part = index.load(folder, key)
         if part is None:
@@ -76,6 +79,7 @@ def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
     label = entry.source_name()
     report = ScanReport()
     cell = (entry.hf_dataset, entry.split, entry.image_column)
+    masks = _masks(table, entry, rows[0]) if entry.mask_column else None
     row = rows[0]
     for chunk in images.chunks:
         struct = chunk.type.num_fields > 0
@@ -84,8 +88,25 @@ def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
             text = None if captions is None else captions[row - rows[0]]
             blob = Blob(f"{label}[{row}]", sha256(data), start=row, size=len(data), table=cell)
             add_sample(report, cfg, blob, data, None if text is None else str(text).strip())
+            if masks is not None and report.samples and report.samples[-1].blob is blob:
+                report.samples[-1].mask = masks[row - rows[0]]
             row += 1
     return report
+
+
+def _masks(table: Any, entry: Any, first: int) -> list[Blob]:
+    """Each row's mask, as a Blob read lazily (its digest taken now)."""
+    out = []
+    cell = (entry.hf_dataset, entry.split, entry.mask_column)
+    row = first
+    for chunk in table.column(entry.mask_column).chunks:
+        struct = chunk.type.num_fields > 0
+        for i in range(len(chunk)):
+            data = _cell(chunk, i, struct)
+            name = f"{entry.source_name()}[{row}].{entry.mask_column}"
+            out.append(Blob(name, sha256(data), start=row, size=len(data), table=cell))
+            row += 1
+    return out
 
 
 def _cell(chunk: Any, i: int, struct: bool) -> bytes | memoryview:

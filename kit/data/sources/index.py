@@ -22,7 +22,7 @@ from kit.data.paths import default_cache_dir
 from kit.data.samples import Sample, ScanReport
 from kit.io import write_text
 
-VERSION = 1
+VERSION = 2
 """Bumped when what a saved scan holds changes: older ones are then scanned again."""
 _LISTS = ("missing_captions", "orphan_captions", "empty_captions")
 _PAIRS = ("unreadable", "skipped", "warnings")
@@ -72,10 +72,11 @@ def load(folder: Path, name: str | None) -> ScanReport | None:
     except (OSError, ValueError):
         return None
     report = ScanReport()
-    for name_, caption, w, h, digest, location, start, size in raw["samples"]:
+    for name_, caption, w, h, digest, location, start, size, *mask in raw["samples"]:
         table = tuple(location) if isinstance(location, list) else None  # a dataset's cell
         blob = Blob(name_, digest, "" if table else location, start, size, table)
-        report.samples.append(Sample(Path(name_), caption, w, h, blob=blob))
+        masked = Blob(mask[0], mask[1], "", start, mask[2], tuple(mask[3])) if mask else None
+        report.samples.append(Sample(Path(name_), caption, w, h, blob=blob, mask=masked))
     for f in _LISTS:
         getattr(report, f).extend(Path(p) for p in raw[f])
     for f in _PAIRS:
@@ -90,6 +91,7 @@ def save(folder: Path, name: str | None, report: ScanReport) -> None:
     samples = [
         [s.blob.name, s.caption, s.width, s.height, s.blob.digest, s.blob.table or s.blob.location]
         + [s.blob.start, s.blob.size]
+        + ([s.mask.name, s.mask.digest, s.mask.size, s.mask.table] if s.mask is not None else [])
         for s in report.samples
         if s.blob is not None
     ]
