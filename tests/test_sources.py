@@ -407,3 +407,21 @@ def test_mask_column_gives_each_row_its_mask(tmp_path, records):
     got = read_mask(source)
     assert got.shape == sizes[0][::-1] and abs(float(np.mean(got)) - 0.5) < 0.05
     assert source.digest == plan.scanned.samples[0].mask.digest
+
+
+def test_an_s3_folder_scan_is_saved(tmp_path, records, s3, monkeypatch):
+    """A second scan of an unchanged S3 folder reads no object: its saved scan is keyed by the
+    objects' ETags."""
+    from kit.config import from_dict
+    from kit.data.sources import remote
+
+    for key, ext, data, caption in records:
+        s3.pipe(f"kit-data/toy/{key}.{ext}", data)
+        s3.pipe(f"kit-data/toy/{key}.txt", caption.encode())
+    folder = from_dict({"datasets": [{"image_dir": "s3://kit-data/toy"}]})
+    first = scan(folder.data).samples
+    monkeypatch.setattr(remote, "_scan_batch", lambda *a: pytest.fail("read objects again"))
+    again = scan(folder.data).samples
+    assert [(s.image, s.caption, s.blob) for s in again] == [
+        (s.image, s.caption, s.blob) for s in first
+    ]

@@ -8,6 +8,7 @@ same batches. Nothing else is downloaded until the cache encodes an image.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -15,6 +16,7 @@ from kit.data.blob import Blob, filesystem, sha256
 from kit.data.datasets import DatasetView
 from kit.data.images import BadImage
 from kit.data.samples import ScanReport
+from kit.data.sources import index
 from kit.data.sources.common import add_sample, caption_text, header_size
 from kit.data.video import FRAME_EXTS
 from kit.errors import DataError
@@ -52,33 +54,24 @@ def scan_url_folder(view: DatasetView) -> ScanReport:
     files = {p for p in listing if not any(x.startswith(".") for x in rel[p].split("/"))}
     images = sorted(p for p in files if PurePosixPath(p).suffix.lower() in FRAME_EXTS)
     ext = cfg.caption_extension
-    report = ScanReport()
-    for start in range(0, len(images), BATCH):
-        batch = images[start : start + BATCH]
-        sizes = [int(listing[p].get("size") or 0) for p in batch]
-        heads = fs.cat_ranges(
-            batch, [0] * len(batch), [min(s, HEADER_BYTES) for s in sizes], on_error="return"
-        )
+    batches = [images[i : i + BATCH] for i in range(0, len(images), BATCH)]
+    folder = index.scan_dir(cfg)
+    parts: dict[int, ScanReport] = {}
+    for b in index.rotated(list(range(len(batches)))):  # processes start at their own batches
+        batch = batches[b]
         caps = [str(PurePosixPath(p).with_suffix(ext)) for p in batch]
-        wanted = [c for c in caps if c in files] if cfg.caption_strategy == "textfile" else []
-        texts = fs.cat(wanted, on_error="return") if wanted else {}
-        if len(wanted) == 1 and not isinstance(texts, dict):
-            texts = {wanted[0]: texts}
-        for p, size, head, cap in zip(batch, sizes, heads, caps, strict=True):
-            name = f"{scheme}://{p}"
-            if isinstance(head, BaseException):
-                report.unreadable.append((Path(name), f"cannot be read: {head}"))
-                continue
-            tag = content_tag(listing[p])
-            if not tag or _needs_whole(head, size, cfg):
-                head = fs.cat_file(p)  # the whole object: its header is longer than read
-                tag = tag or sha256(head)
-            raw = texts.get(cap)
-            if isinstance(raw, BaseException):
-                report.unreadable.append((Path(name), f"caption {cap}: {raw}"))
-                continue
-            caption = None if raw is None else caption_text(raw, "txt", name, report)
-            add_sample(report, cfg, Blob(name, tag, name, 0, size), head, caption)
+        # Saved under the objects' (and captions') tags: a changed object changes the key.
+        ident = [[p, content_tag(listing.get(p, {}))] for p in batch + caps if p in files]
+        key = index.key(f"{url} {b}", cfg, ident if all(t for _, t in ident) else None)
+        part = index.load(folder, key)
+        if part is None:
+            part = _scan_batch(fs, scheme, batch, caps, listing, files, cfg)
+            index.save(folder, key, part)
+        parts[b] = part
+    report = ScanReport()
+    for b in range(len(batches)):
+        for f in dataclasses.fields(ScanReport):
+            getattr(report, f.name).extend(getattr(parts[b], f.name))
     captioned = {str(PurePosixPath(p).with_suffix(ext)) for p in images}
     report.orphan_captions = [
         Path(f"{scheme}://{p}") for p in sorted(files) if p.endswith(ext) and p not in captioned
@@ -95,3 +88,40 @@ def _needs_whole(head: bytes, size: int, cfg: Any) -> bool:
     except BadImage:
         return True
     return False
+
+
+def _scan_batch(
+    fs: Any,
+    scheme: str,
+    batch: list[str],
+    caps: list[str],
+    listing: dict[str, Any],
+    files: set[str],
+    cfg: Any,
+) -> ScanReport:
+    """The samples of one batch of objects: their headers and captions fetched concurrently."""
+    report = ScanReport()
+    sizes = [int(listing[p].get("size") or 0) for p in batch]
+    heads = fs.cat_ranges(
+        batch, [0] * len(batch), [min(s, HEADER_BYTES) for s in sizes], on_error="return"
+    )
+    wanted = [c for c in caps if c in files] if cfg.caption_strategy == "textfile" else []
+    texts = fs.cat(wanted, on_error="return") if wanted else {}
+    if len(wanted) == 1 and not isinstance(texts, dict):
+        texts = {wanted[0]: texts}
+    for p, size, head, cap in zip(batch, sizes, heads, caps, strict=True):
+        name = f"{scheme}://{p}"
+        if isinstance(head, BaseException):
+            report.unreadable.append((Path(name), f"cannot be read: {head}"))
+            continue
+        tag = content_tag(listing[p])
+        if not tag or _needs_whole(head, size, cfg):
+            head = fs.cat_file(p)  # the whole object: its header is longer than read
+            tag = tag or sha256(head)
+        raw = texts.get(cap)
+        if isinstance(raw, BaseException):
+            report.unreadable.append((Path(name), f"caption {cap}: {raw}"))
+            continue
+        caption = None if raw is None else caption_text(raw, "txt", name, report)
+        add_sample(report, cfg, Blob(name, tag, name, 0, size), head, caption)
+    return report
