@@ -425,3 +425,25 @@ def test_an_s3_folder_scan_is_saved(tmp_path, records, s3, monkeypatch):
     assert [(s.image, s.caption, s.blob) for s in again] == [
         (s.image, s.caption, s.blob) for s in first
     ]
+
+
+def test_the_planner_proposes_shards_for_a_large_files_cache(tmp_path, monkeypatch):
+    """`kit plan` on a dataset of `AUTO_SHARDS` images or more with `cache_format: files`
+    proposes shards (with `auto`, the default, nothing needs proposing)."""
+    from kit.config import from_dict
+    from kit.preflight import plan as planner
+
+    records = [(f"{i:05d}", "png", None, "a zorbic square") for i in range(planner.AUTO_SHARDS)]
+    image = folder_records(Path(__file__).resolve().parent.parent / "datasets_example" / "images")
+    data = image[0][2]
+    pattern = write_shards([(k, e, data, c) for k, e, _, c in records], tmp_path / "s", 1000)
+    base = {"output_dir": str(tmp_path / "run"), "datasets": [{"shards": pattern}]}
+    rows = {
+        fmt: planner.plan("", "concept", base=from_dict({**base, "cache_format": fmt})).rows(
+            from_dict({**base, "cache_format": fmt})
+        )
+        for fmt in ("files", "auto")
+    }
+    shards = [r for r in rows["files"] if r["setting"] == "cache_format"]
+    assert shards and shards[0]["planned"] == "shards" and "files" in shards[0]["reason"]
+    assert not [r for r in rows["auto"] if r["setting"] == "cache_format"]
