@@ -223,7 +223,7 @@ def test_s3_prefix_trains_and_resumes_exactly(tmp_path, make_config, records, s3
         s3.pipe(f"kit-data/toy/{key}.txt", caption.encode())
     manifest = _train_with_resume(make_config, tmp_path, {"image_dir": "s3://kit-data/toy"})
     assert len(manifest) == 8
-    assert all(r["image"].startswith("s3:/kit-data/toy/") for r in manifest)
+    assert all(r["image"].startswith("s3://kit-data/toy/") for r in manifest)
 
 
 def test_s3_shards_and_a_changed_object_re_encodes_alone(tmp_path, records, s3):

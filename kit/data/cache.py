@@ -195,7 +195,8 @@ class CachedDataset:
         n, placements = self.plan.size, self.plan.placements
         rows = []
         for i, (s, p, d) in enumerate(zip(self.kept(), placements, self.digests, strict=False)):
-            row = {"image": str(s.image), "sha256": d, "caption": s.caption}
+            name = s.blob.name if s.blob is not None else str(s.image)  # a URL keeps its //
+            row = {"image": name, "sha256": d, "caption": s.caption}
             if self.names:
                 row.update(
                     dataset=self.names[s.dataset],
