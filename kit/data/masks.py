@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -123,7 +123,7 @@ def mask_candidates(image: Path, image_dir: Path, mask_dir: Path) -> list[Path]:
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator[Image.Image]:
+def _opened(path: Path | IO[bytes]) -> Iterator[Image.Image]:
     """The image opened lazily; files the scan accepted are not refused by Pillow's own limit
     (the scan has held them to `max_image_pixels`)."""
     limit = Image.MAX_IMAGE_PIXELS

@@ -105,8 +105,9 @@ def save(folder: Path, name: str | None, report: ScanReport) -> None:
         pass  # a read-only cache folder: the shard is scanned again next time, nothing lost
 
 
-def rotated(names: list[str]) -> list[str]:
-    """The shards in the order this process scans them: from its own start (rank × n / world)."""
+def rotated(names: list[Any]) -> list[Any]:
+    """Units of a scan (shards, blocks of rows, batches of objects) in the order this process
+    scans them: from its own start (rank × n / world)."""
     rank = int(os.environ.get("RANK", "0") or 0)
     world = max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
     start = rank * len(names) // world
