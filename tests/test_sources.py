@@ -20,6 +20,7 @@ from kit.data.scan import check_dataset, scan
 from kit.data.sources.write import folder_records, write_parquet, write_shards
 from kit.errors import ConfigError, DataError
 from kit.run import checkpoint as ckpt
+from tests.conftest import write_config
 
 datasets = pytest.importorskip("datasets")
 
@@ -164,6 +165,10 @@ def test_bad_sources_give_one_clear_line(tmp_path, records, make_config):
                 ]
             }
         )
+    # A parquet file named relative to the config is looked for beside it, even when missing.
+    missing_file = write_config(tmp_path / "m.json", datasets=[{"hf_dataset": "no/such.parquet"}])
+    with pytest.raises(DataError, match=f"Unable to find '{tmp_path}/no/such.parquet'"):
+        check_dataset(load_config(missing_file).data)
     with pytest.raises(ConfigError, match="one source"):
         from_dict({"datasets": [{"shards": pattern, "hf_dataset": str(path)}]})
     # Through the command line: one line, no traceback.

@@ -238,8 +238,8 @@ def _resolve_paths(value: Any, base_dir: str | Path) -> Any:
     changes = {}
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
-        if f.metadata.get("path") == "hub_or_path" and v:
-            changes[f.name] = resolve_model_path(v, base_dir)
+        if f.metadata.get("path") == "hub_or_path" and v and not v.endswith(".parquet"):
+            changes[f.name] = resolve_model_path(v, base_dir)  # a hub id stays one
         elif f.metadata.get("path") and v:
             changes[f.name] = _absolute(v, base_dir)
         elif dataclasses.is_dataclass(v) or isinstance(v, list):
