@@ -27,6 +27,7 @@ GROUND = (
     "kit.config.sections",
     "kit.config.model",
     "kit.config.preservation",
+    "kit.config.sources",
     "kit.optim",
     "kit.precision",
 )

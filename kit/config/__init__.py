@@ -30,6 +30,7 @@ from kit.config.sections import (
     ValidationConfig,
     ValidationPrompt,
 )
+from kit.config.sources import URL as _URL
 
 __all__ = [
     "Config",
@@ -237,7 +238,9 @@ def _resolve_paths(value: Any, base_dir: str | Path) -> Any:
     changes = {}
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
-        if f.metadata.get("path") and v:
+        if f.metadata.get("path") == "hub_or_path" and v and not v.endswith(".parquet"):
+            changes[f.name] = resolve_model_path(v, base_dir)  # a hub id stays one
+        elif f.metadata.get("path") and v:
             changes[f.name] = _absolute(v, base_dir)
         elif dataclasses.is_dataclass(v) or isinstance(v, list):
             changes[f.name] = _resolve_paths(v, base_dir)
@@ -247,8 +250,8 @@ def _resolve_paths(value: Any, base_dir: str | Path) -> Any:
 def _absolute(value: str | list[str], base_dir: str | Path) -> str | list[str]:
     """A path field's value (a path, or a list of paths) made absolute from `base_dir`."""
     if isinstance(value, list):
-        return [str(absolute_path(v, base_dir)) for v in value]
-    return str(absolute_path(value, base_dir))
+        return [v if _URL.match(v) else str(absolute_path(v, base_dir)) for v in value]
+    return value if _URL.match(value) else str(absolute_path(value, base_dir))
 
 
 def flat_config(raw: dict[str, Any]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Literal
 from PIL import ImageColor
 
 from kit.config.preservation import PreservationConfig, SliderConfig
+from kit.config.sources import SOURCE_FIELDS, SourceFields
 from kit.errors import ConfigError, at_least
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
@@ -39,7 +40,7 @@ class GenerateConfig:
 
 
 @dataclass
-class DatasetConfig:
+class DatasetConfig(SourceFields):
     name: str = ""
     """What reports call this dataset; empty takes its folder's name."""
     image_dir: str = field(default="", metadata=PATH)
@@ -88,8 +89,7 @@ class DatasetConfig:
     frame_stride: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.image_dir:
-            raise ConfigError("image_dir: every dataset needs its image folder")
+        self.check_source()
         if self.repeats < 1:
             raise ConfigError(f"repeats: {self.repeats} must be at least 1")
         if not self.loss_weight >= 0 or self.loss_weight == float("inf"):
@@ -102,7 +102,7 @@ class DatasetConfig:
     def overrides(self) -> dict[str, object]:
         """The data-section fields this dataset sets for itself."""
         own = {"name", "image_dir", "caption_dir", "mask_dir", "repeats", "role", "loss_weight"}
-        own.update(("target", "control_dir"))
+        own.update(("target", "control_dir", *SOURCE_FIELDS))
         out: dict[str, object] = {
             f.name: getattr(self, f.name)
             for f in dataclass_fields(self)
@@ -155,9 +155,9 @@ class ValidationPrompt:
 @dataclass
 class DataConfig:
     data_backend: Literal["local"] = "local"
-    """Where images are read from; `local` is a folder on this machine."""
+    """`local`; where images live is each dataset's own (a folder or URL, `hf_dataset`, `shards`)."""
     image_dir: str = field(default="", metadata=PATH)
-    """Folder of training images (png, jpg, jpeg, webp, bmp); subfolders are read too."""
+    """Folder (or fsspec URL, `s3://bucket/prefix`) of training images; subfolders are read too."""
     caption_dir: str = field(default="", metadata=PATH)
     """Folder of same-stem caption files; empty means captions lie beside the images."""
     caption_strategy: Literal["textfile", "filename", "instanceprompt"] = "textfile"
@@ -183,11 +183,11 @@ class DataConfig:
     """Crop to the bucket at the centre; false crops at a seeded random offset."""
     cache_dir: str = field(default="", metadata=PATH)
     """Where latents and text embeddings are cached; empty uses `~/.cache/kit`."""
-    cache_format: Literal["files", "shards"] = "files"
-    """How cache entries are stored: one safetensors file per entry (`files`), or packed into
-    safetensors shards of 500 entries with an index per folder (`shards`: about N/500 files for
-    N images; each shard is checked against its checksums once per run, a damaged one is
-    rebuilt). The two hold the same tensors: a run trains alike on either."""
+    cache_format: Literal["auto", "files", "shards"] = "auto"
+    """How cache entries are stored: a safetensors file per entry (`files`), or shards of 500 with
+    an index per folder (`shards`: about N/500 files for N images, checked against checksums once
+    per run, a damaged one rebuilt); `auto`: shards from 2,000 images on (files below, or where a
+    files cache exists). The two hold the same tensors: a run trains alike on either."""
     cache_compression: Literal["none", "zlib"] = "none"
     """`shards`: zlib-compress each entry (`zlib`), lossless: smaller (30% on the cache
     benchmark's entries), slower to write, and slower to read than uncompressed shards."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,16 +27,11 @@ from kit.data.images import BadImage
 from kit.data.masks import MaskSource, bucket_mask, latent_mask, plan_masks
 from kit.data.masks import masked as any_masked
 from kit.data.pairs import check_batchable, control_image
+from kit.data.paths import default_cache_dir
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
-from kit.data.store import EntryStore, FileStore, open_store
+from kit.data.store import EntryStore, FileStore, auto_format, open_store
 from kit.errors import DataError
-
-
-def default_cache_dir() -> Path:
-    """`$XDG_CACHE_HOME/kit`, else `~/.cache/kit`."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kit"
 
 
 def file_digest(path: Path) -> str:
@@ -200,7 +194,8 @@ class CachedDataset:
         n, placements = self.plan.size, self.plan.placements
         rows = []
         for i, (s, p, d) in enumerate(zip(self.kept(), placements, self.digests, strict=False)):
-            row = {"image": str(s.image), "sha256": d, "caption": s.caption}
+            name = s.blob.name if s.blob is not None else str(s.image)  # a URL keeps its //
+            row = {"image": name, "sha256": d, "caption": s.caption}
             if self.names:
                 row.update(
                     dataset=self.names[s.dataset],
@@ -248,7 +243,8 @@ def plan_cache(
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     latent_dir = root / "latents" / identity["vae"]
     text_dir = root / "text" / identity["text"]
-    digests = [file_digest(s.image) for s in samples]
+    # A sample from a dataset, shard or bucket was digested by its scan (`Sample.blob`).
+    digests = [s.blob.digest if s.blob is not None else file_digest(s.image) for s in samples]
     twins = 2 if cfg.data.random_flip else 1
     if twins == 2:
         plan = with_mirrored(plan)
@@ -306,7 +302,12 @@ def plan_cache(
         roles=[v.role for v in seen] if cfg.data.datasets else [],
         skipped=list(masked.refused) if masked is not None else [],
         masks=masks,
-        store=open_store(cfg.data.cache_format, cfg.data.cache_compression),
+        store=open_store(
+            auto_format(
+                cfg.data.cache_format, plan.size, latent_files[0] if latent_files else None
+            ),
+            cfg.data.cache_compression,
+        ),
         text_path=text_file,
         control_files=control_files if any(control_files) else [],
     )

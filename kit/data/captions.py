@@ -46,7 +46,10 @@ def caption_report(cfg: Config, token_counts: bool = True) -> dict[str, Any]:
     rep = scan(cfg.data, family_info(cfg.model.model_family))
     seen = views(cfg.data)
     captions = [s.caption for s in rep.samples]
-    files = [_source(s.image, seen[s.dataset].data) for s in rep.samples]
+    files = [
+        s.blob.name if s.blob is not None else _source(s.image, seen[s.dataset].data)
+        for s in rep.samples
+    ]
     dup = [c for c, n in Counter(captions).items() if n > 1 and c]
     counts = Counter(w for c in captions for w in words(c))
     tags = Counter(" ".join(t.lower().split()) for c in captions for t in split_tags(c))
@@ -247,6 +250,11 @@ def plan_edit(cfg: Config | DataConfig, edit: Edit) -> list[Change]:
         family = family_info(cfg.model.model_family)
     changes = []
     for sample in scan(data, family).samples:
+        if sample.blob is not None:
+            raise KitError(
+                f"{sample.blob.name}: its caption lives in its dataset, shard or bucket; "
+                "edit it there (bulk edits change caption files of local folders)"
+            )
         path = caption_path(sample.image, seen[sample.dataset].data)
         old = _read(path)
         new = edit_text(old, edit)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kit.config import DataConfig, DatasetConfig
+from kit.config.sources import URL
 from kit.errors import ConfigError
 
 
@@ -54,7 +55,7 @@ def views(data: DataConfig) -> list[DatasetView]:
     out = []
     names: dict[str, int] = {}
     for i, entry in enumerate(data.datasets):
-        name = entry.name or Path(entry.image_dir).name or f"dataset{i}"
+        name = entry.name or entry.source_name() or f"dataset{i}"
         if name in names:
             raise ConfigError(
                 f"datasets[{i}]: the name {name!r} is also datasets[{names[name]}]'s; "
@@ -75,14 +76,26 @@ def views(data: DataConfig) -> list[DatasetView]:
         out.append(DatasetView(i, name, view, entry.repeats, entry.role, entry.loss_weight, entry))
     folders: dict[str, int] = {}
     for v in out:
-        key = str(Path(v.data.image_dir).resolve())
+        key, field = _source_key(v)
         if key in folders:
             raise ConfigError(
-                f"{v.where}: image_dir {v.data.image_dir} is also datasets[{folders[key]}]'s; "
-                "one folder trains once (use `repeats` to weight it)"
+                f"{v.where}: {field} {key} is also datasets[{folders[key]}]'s; "
+                "one source trains once (use `repeats` to weight it)"
             )
         folders[key] = v.index
     return out
+
+
+def _source_key(view: DatasetView) -> tuple[str, str]:
+    """What makes a dataset's source itself (its folder, URL, hub dataset and split, shards), and
+    the field that names it."""
+    entry = view.entry
+    if entry is not None and entry.hf_dataset:
+        return f"{entry.hf_dataset} ({entry.split})", "hf_dataset"
+    if entry is not None and entry.shards:
+        return entry.shards, "shards"
+    folder = view.data.image_dir
+    return (folder if URL.match(folder) else str(Path(folder).resolve())), "image_dir"
 
 
 def weighted(data: DataConfig) -> bool:

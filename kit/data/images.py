@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -33,7 +34,7 @@ _PIXEL_LIMIT = threading.Lock()
 images at once cannot leave it lifted."""
 
 
-def _open_header(path: str | Path, max_pixels: int) -> Image.Image:
+def _open_header(path: str | Path | BinaryIO, max_pixels: int) -> Image.Image:
     """The image opened lazily (header only), with the kit's own pixel limit in place of Pillow's.
 
     Pillow checks its global limit inside `open` (warning, then refusing); with the limit lifted
@@ -51,7 +52,7 @@ def _open_header(path: str | Path, max_pixels: int) -> Image.Image:
                 Image.MAX_IMAGE_PIXELS = limit
     except UnidentifiedImageError:
         # The size is looked at only now, so that a good file costs no extra system call.
-        if os.stat(path).st_size == 0:
+        if (os.stat(path).st_size if isinstance(path, str | Path) else path.seek(0, 2)) == 0:
             raise BadImage("empty file (0 bytes)") from None
         raise BadImage("not an image (corrupt, or a format Pillow cannot read)") from None
     except FileNotFoundError:
@@ -81,14 +82,14 @@ def _displayed_size(im: Image.Image) -> tuple[int, int]:
     return (h, w) if rotated else (w, h)
 
 
-def probe(path: str | Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
+def probe(path: str | Path | BinaryIO, max_pixels: int = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
     """Width and height as displayed (after EXIF rotation), from the header; BadImage if unusable."""
     with _open_header(path, max_pixels) as im:
         return _displayed_size(im)
 
 
 def open_rgb(
-    path: str | Path,
+    path: str | Path | BinaryIO,
     background: str | tuple[int, int, int] = "white",
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> Image.Image:

@@ -19,15 +19,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from kit.config import Config, DataConfig
+from kit.data.blob import Blob
 from kit.data.buckets import Placement, plan_dataset
 from kit.data.datasets import DatasetView, views
 from kit.data.images import BadImage, probe
-from kit.data.pixels import fit_to_bucket, load_pixels
+from kit.data.pixels import fit_to_bucket, sample_pixels
 from kit.data.scan import IMAGE_EXTS, Sample, ScanReport, check_dataset
 from kit.errors import ConfigError, DataError
 from kit.families import family_info
@@ -57,6 +58,9 @@ class MaskSource:
     """What keys the mask in the cache: the mask file's SHA-256, or `ALPHA`."""
     dataset: str = ""
     """The dataset, as messages name it."""
+    blob: Blob | None = None
+    """Where the bytes read for the mask are when they are no local file (the mask's, or for
+    the alpha channel the image's; see `kit.data.sources`)."""
 
     def key(self) -> tuple[str, str]:
         """The part of the latent entry's key that the mask adds."""
@@ -119,7 +123,7 @@ def mask_candidates(image: Path, image_dir: Path, mask_dir: Path) -> list[Path]:
 
 
 @contextmanager
-def _opened(path: Path) -> Iterator[Image.Image]:
+def _opened(path: Path | IO[bytes]) -> Iterator[Image.Image]:
     """The image opened lazily; files the scan accepted are not refused by Pillow's own limit
     (the scan has held them to `max_image_pixels`)."""
     limit = Image.MAX_IMAGE_PIXELS
@@ -162,6 +166,8 @@ def mask_source(sample: Sample, cfg: DataConfig, view: DatasetView | None = None
     if not view.data.masked_loss:
         # A dataset trained whole (its own `masked_loss: false`) beside masked ones.
         return MaskSource(image, None, WHOLE, where.label)
+    if sample.blob is not None:
+        return _source_mask(sample, cfg, where.label)
     if where.mask_dir is None:
         if sample.clip:
             raise DataError(
@@ -204,6 +210,31 @@ def mask_source(sample: Sample, cfg: DataConfig, view: DatasetView | None = None
             f"{sample.width}x{sample.height}; a mask must match its image's size (mask_dir)"
         )
     return MaskSource(image, file, sha256_file(file), where.label)
+
+
+def _source_mask(sample: Sample, cfg: DataConfig, label: str) -> MaskSource:
+    """The mask of a sample read from a dataset, shard or bucket: its `mask_column` cell, else
+    its image's alpha channel; checked from headers as a folder's masks are."""
+    blob = sample.mask or sample.blob
+    assert blob is not None
+    try:
+        with _opened(blob.open()) as im:
+            alpha, size = _transparent(im), im.size
+    except (BadImage, OSError) as e:
+        raise DataError(f"{label}: {blob.name}: {e} (masked_loss)") from None
+    if sample.mask is None:
+        if not alpha:
+            raise DataError(
+                f"{label}: {blob.name} has no alpha channel to take its mask from, and no "
+                "mask_column is set (masked_loss)"
+            )
+        return MaskSource(sample.image, None, ALPHA, label, blob)
+    if size != (sample.width, sample.height):
+        raise DataError(
+            f"{label}: mask {blob.name} is {size[0]}x{size[1]}, but its image is "
+            f"{sample.width}x{sample.height}; a mask must match its image's size (mask_column)"
+        )
+    return MaskSource(sample.image, Path(blob.name), blob.digest, label, blob)
 
 
 @dataclass
@@ -288,7 +319,7 @@ def read_mask(source: MaskSource) -> np.ndarray:
 
     path = source.file or source.image
     try:
-        with _opened(path) as im:
+        with _opened(source.blob.open() if source.blob is not None else path) as im:
             im.load()
             im = ImageOps.exif_transpose(im)
             if source.file is not None:
@@ -373,7 +404,7 @@ def mask_preview(cfg: Config, n: int = 8, size: int = 192, columns: int = 4) -> 
     ]:
         if p.frames:
             p = replace(p, frames=p.frames[:1])  # a clip shows its first frame
-        pixels = load_pixels(s.image, p, cfg.data.alpha_background, cfg.data.max_image_pixels)
+        pixels = sample_pixels(s, p, cfg.data)
         if pixels.ndim == 4:
             pixels = pixels[:, 0]
         rgb = ((pixels.permute(1, 2, 0).numpy() + 1.0) * 127.5).clip(0, 255)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kit.config import DataConfig
@@ -15,3 +16,9 @@ def caption_path(image: Path, cfg: DataConfig, is_dir: bool | None = None) -> Pa
     # A frame folder `clip.v2/` is captioned by `clip.v2.txt`: its whole name is the stem.
     stem = image.name if (image.is_dir() if is_dir is None else is_dir) else image.stem
     return folder / (stem + cfg.caption_extension)
+
+
+def default_cache_dir() -> Path:
+    """`$XDG_CACHE_HOME/kit`, else `~/.cache/kit`."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kit"

@@ -19,7 +19,15 @@ if TYPE_CHECKING:
 
 def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torch.Tensor:
     """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so."""
-    return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+    if sample.blob is None:
+        return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+    try:
+        im = open_rgb(sample.blob.open(), cfg.alpha_background, cfg.max_image_pixels)
+    except BadImage as e:
+        raise BadImage(f"unreadable image {sample.blob.name}: {e}") from None
+    except OSError as e:  # the store refused or lost the read (after its own retries)
+        raise BadImage(f"unreadable image {sample.blob.name}: {e}") from None
+    return _fit(im, placement)
 
 
 def load_pixels(

@@ -21,115 +21,11 @@ from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, probe
 from kit.data.pairs import pair_controls
 from kit.data.paths import caption_path
+from kit.data.samples import Sample, ScanReport
+from kit.data.sources import describe, elsewhere, owns, scan_source
 from kit.errors import DataError
 
 IMAGE_EXTS = set(video.FRAME_EXTS)
-
-
-@dataclass
-class Sample:
-    """One training image (or clip) and its caption."""
-
-    image: Path
-    """The image file, or the clip: a video file or a folder of numbered frames."""
-    caption: str
-    width: int
-    height: int
-    frames: int = 1
-    """Frames this sample trains on (1 for an image)."""
-    total_frames: int = 1
-    """Frames the clip holds."""
-    clip: bool = False
-    """True for a clip (even one of a single frame), False for a still image."""
-    dataset: int = 0
-    """Index of the dataset (in `datasets`) the sample comes from; 0 for a single folder."""
-    window_start: int | None = None
-    """A clip's window: the frame its frames start at (`frame_sampling` uniform, chunk, slide;
-    see `kit.data.buckets.clip_windows`). None: the clip's one window, placed by `frame_start`.
-    The scan gives one sample per clip; bucketing splits a clip into its windows, so caption
-    tools still see each file once."""
-    controls: list[Path] = field(default_factory=list)
-    """Edit models: the control images paired with this target, one per `control_dir`."""
-
-
-@dataclass
-class ScanReport:
-    """What a dataset folder holds, and every file that is skipped or looks wrong, with why."""
-
-    samples: list[Sample] = field(default_factory=list)
-    missing_captions: list[Path] = field(default_factory=list)
-    orphan_captions: list[Path] = field(default_factory=list)
-    empty_captions: list[Path] = field(default_factory=list)
-    unreadable: list[tuple[Path, str]] = field(default_factory=list)
-    """Files that cannot be decoded (corrupt, cut short, empty), with why."""
-    duplicate_stems: list[str] = field(default_factory=list)
-    short_clips: list[tuple[Path, str]] = field(default_factory=list)
-    """Clips too short for even the family's smallest clip, with why."""
-    skipped: list[tuple[Path, str]] = field(default_factory=list)
-    """Readable files left out for another reason (too small, too large, ambiguous caption)."""
-    warnings: list[tuple[Path, str]] = field(default_factory=list)
-    """Files used, but not as they are on disk (a caption that is not UTF-8), with what was done."""
-
-    def dropped(self) -> list[tuple[Path, str]]:
-        """Every file that was found but is not trained on, with why."""
-        missing = [(p, "no caption file") for p in self.missing_captions]
-        return sorted(self.unreadable + self.short_clips + self.skipped + missing)
-
-    def entries(self) -> list[dict[str, Any]]:
-        """The data report: each dropped file and each warning, as {"file", "reason", "skipped"}."""
-        notes = (
-            self.warnings
-            + [(p, "empty caption: trained with an empty caption") for p in self.empty_captions]
-            + [(p, "caption file without an image") for p in self.orphan_captions]
-        )
-        return [{"file": str(p), "reason": why, "skipped": True} for p, why in self.dropped()] + [
-            {"file": str(p), "reason": why, "skipped": False} for p, why in sorted(notes)
-        ]
-
-    def summary(self) -> str:
-        """One line: how many files are used, skipped and warned about."""
-        skipped = self.dropped()
-        used = len({s.image for s in self.samples})  # a clip split into windows is one file
-        total = used + len(skipped)
-        line = f"{used} of {total} file(s) usable"
-        if skipped:
-            first = skipped[0]
-            line += f"; {len(skipped)} skipped (first: {first[0].name}: {first[1]})"
-        if self.warnings:
-            line += f"; {len(self.warnings)} warning(s)"
-        return line
-
-    def problems(self) -> list[str]:
-        """One line per kind of problem found; the files concerned are skipped."""
-        out = []
-        if self.unreadable:
-            path, why = self.unreadable[0]
-            kind = "clip" if video.is_clip(path) else "image"
-            out.append(f"unreadable {kind} {path}: {why}{_and_more(self.unreadable)}")
-        if self.short_clips:
-            path, why = self.short_clips[0]
-            out.append(f"clip too short: {path} {why}{_and_more(self.short_clips)}")
-        if self.missing_captions:
-            names = ", ".join(str(p) for p in self.missing_captions[:3])
-            more = _and_more(self.missing_captions, 3, brackets=False)
-            out.append(f"{len(self.missing_captions)} image(s) have no caption file: {names}{more}")
-        if self.skipped:
-            path, why = self.skipped[0]
-            out.append(f"skipped {path}: {why}{_and_more(self.skipped)}")
-        if self.duplicate_stems:
-            out.append(
-                "images share a name but differ in extension, so a caption is ambiguous: "
-                + ", ".join(self.duplicate_stems[:3])
-            )
-        return out
-
-
-def _and_more(items: list[Any], shown: int = 1, brackets: bool = True) -> str:
-    """` (and N more)` for the items a message leaves unnamed after the first `shown`."""
-    if len(items) <= shown:
-        return ""
-    more = f"and {len(items) - shown} more"
-    return f" ({more})" if brackets else f" {more}"
 
 
 def _prefix(folder: str | Path) -> str:
@@ -376,11 +272,13 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     and a missing folder is named with its dataset.
     """
     if not cfg.datasets:
-        return pair_controls(scan_folder(cfg, family), cfg, family)
+        (view,) = views(cfg)
+        found = scan_source(view) if elsewhere(view) else scan_folder(cfg, family)
+        return pair_controls(found, cfg, family)
     report = ScanReport()
     for view in views(cfg):
         try:
-            part = scan_folder(view.data, family)
+            part = scan_source(view) if elsewhere(view) else scan_folder(view.data, family)
         except DataError as e:
             raise DataError(f"{view.where}: {e}") from None
         for sample in part.samples:
@@ -563,13 +461,17 @@ def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
     report = scan(cfg, family)
     for view in views(cfg) if cfg.datasets else []:
         if not any(s.dataset == view.index for s in report.samples):
-            mine = [d for d in report.dropped() if _within(d[0], view.data.image_dir)]
+            at = describe(view)
+            mine = [
+                d
+                for d in report.dropped()
+                if (owns(view, d[0]) if elsewhere(view) else _within(d[0], at))
+            ]
             why = f": all {len(mine)} file(s) skipped ({mine[0][0]}: {mine[0][1]})" if mine else ""
             raise DataError(
-                f"{view.where}: no usable images in {view.data.image_dir}{why}"
+                f"{view.where}: no usable images in {at}{why}"
                 if mine
-                else f"{view.where}: no images found in {view.data.image_dir} "
-                f"(extensions: {sorted(IMAGE_EXTS)})"
+                else f"{view.where}: no images found in {at} (extensions: {sorted(IMAGE_EXTS)})"
             )
     if report.samples:
         return report

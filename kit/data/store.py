@@ -78,6 +78,21 @@ class EntryStore(Protocol):
     def refresh(self) -> None: ...
 
 
+AUTO_SHARDS = 2000
+"""`cache_format: auto` shards the cache of this many images or more: one file per entry is
+4,000 files for 2,000 images (a latent and a caption each), slow to list, copy and check."""
+
+
+def auto_format(cache_format: str, images: int, first_entry: Path | None) -> str:
+    """The format `auto` stands for: shards from `AUTO_SHARDS` images on, unless the cache already
+    holds this dataset's entries as files (`first_entry` is one), which stay in use."""
+    if cache_format != "auto":
+        return cache_format
+    if images < AUTO_SHARDS or (first_entry is not None and first_entry.is_file()):
+        return "files"
+    return "shards"
+
+
 def open_store(cache_format: str, compression: str = "none") -> EntryStore:
     """The store of `cache_format` (`files` or `shards`)."""
     if cache_format == "files":

@@ -26,6 +26,7 @@ from kit.config import Config, from_dict
 from kit.data.buckets import group_name, plan_buckets
 from kit.data.datasets import views
 from kit.data.scan import load_samples
+from kit.data.store import AUTO_SHARDS
 from kit.errors import KitError
 from kit.families import get_family
 from kit.io import write_json
@@ -360,6 +361,13 @@ def plan(
         checkpointing_steps=every,
         stable_loss_steps=every,
     )
+
+    if len(samples) >= AUTO_SHARDS and cfg.data.cache_format == "files":
+        propose(
+            f"{len(samples):,} images: a file per cache entry is {2 * len(samples):,}+ files; "
+            f"shards of 500 keep it near {2 * len(samples) // 500 + 2:,}",
+            cache_format="shards",
+        )
 
     # Validation prompts: the three groups.
     prompts = _prompts(captions, triggers[0] if triggers else "", task)

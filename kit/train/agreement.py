@@ -56,7 +56,7 @@ def dataset_entries(samples: Sequence[Sample]) -> list[tuple[str, int, str]]:
     return sorted(
         (
             p.relative_to(root).as_posix(),
-            _size(p),
+            s.blob.size if s.blob is not None else _size(p),
             hashlib.sha256(s.caption.encode()).hexdigest()[:16],
         )
         for p, s in zip(paths, samples, strict=True)

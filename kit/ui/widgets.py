@@ -13,7 +13,7 @@ from typing import Any
 from kit.config import Config, load_config
 from kit.data import video
 from kit.data.captions import has_word, save_caption
-from kit.data.scan import caption_path
+from kit.data.scan import Sample, caption_path
 from kit.logs import quiet_libraries
 from kit.preflight.estimate import GIB, GPUS, estimate
 from kit.report.plots import metrics_figure
@@ -53,15 +53,19 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def show_images(paths: Iterable[str | Path], width: int = 160) -> Any:
-    """A row of images with their file names."""
+def show_images(paths: Iterable[str | Path | Sample], width: int = 160) -> Any:
+    """A row of images with their file names; a sample from a dataset, shard or bucket (see
+    `kit.data.sources`) is read from there."""
     import base64
 
     from IPython.display import HTML
 
     cells = []
     for p in paths:
-        raw = _png_bytes(p, width) if video.is_clip(Path(p)) else Path(p).read_bytes()
+        if isinstance(p, Sample):
+            p, raw = p.image, (p.blob.read() if p.blob is not None else Path(p.image).read_bytes())
+        else:
+            raw = _png_bytes(p, width) if video.is_clip(Path(p)) else Path(p).read_bytes()
         data = base64.b64encode(raw).decode()
         cells.append(
             f"<figure style='display:inline-block;margin:4px'><img width={width} "

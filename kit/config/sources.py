@@ -1,0 +1,66 @@
+"""Where a dataset entry's images are when they are not a local folder: a Hugging Face dataset or
+WebDataset tar shards (a folder may also be an fsspec URL such as `s3://bucket/prefix`)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from kit.errors import ConfigError
+
+URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+"""A location that is a URL (`s3://bucket/prefix`, `file://...`): kept as written, not a path."""
+HUB_OR_PATH = {"path": "hub_or_path"}  # metadata: a local path (made absolute) or a hub id
+SHARDS = {"path": True}  # a path pattern, made absolute from the config's folder (URLs stay)
+
+
+@dataclass
+class SourceFields:
+    """The fields of a `datasets` entry that name a source other than `image_dir`."""
+
+    hf_dataset: str = field(default="", metadata=HUB_OR_PATH)
+    """A Hugging Face dataset: a hub id (`user/name`), a folder written by `save_to_disk`, parquet
+    file(s), or a folder `load_dataset` reads; empty: none. Images are read from it lazily."""
+    split: str = "train"
+    """`hf_dataset`: the split trained on."""
+    image_column: str = "image"
+    """`hf_dataset`: the column of images (an Image column, bytes, or a path/URL per row)."""
+    caption_column: str = "text"
+    """`hf_dataset`: the column of captions (with `caption_strategy` textfile)."""
+    mask_column: str = ""
+    """`hf_dataset`: a column of loss masks for `masked_loss` (white = learn), each the size of
+    its image; empty: the images' alpha channel."""
+    shards: str = field(default="", metadata=SHARDS)
+    """WebDataset tar shards, a path or URL pattern (`data/train-{000000..000099}.tar`,
+    `s3://bucket/train-{0000..0999}.tar`): per key an image and a caption (.txt, .caption, or
+    .json with a `caption` or `text` field); empty: none."""
+
+    def check_source(self) -> None:
+        """One source per entry: a folder (`image_dir`), `hf_dataset` or `shards`."""
+        given = [k for k in ("image_dir", "hf_dataset", "shards") if getattr(self, k, "")]
+        if not given:
+            raise ConfigError(
+                "image_dir: every dataset needs its images: image_dir (a folder or URL), "
+                "hf_dataset or shards"
+            )
+        if len(given) > 1:
+            raise ConfigError(f"{' and '.join(given)}: give a dataset one source, not several")
+        generate = getattr(self, "generate", None)
+        folder = getattr(self, "image_dir", "")
+        if generate is not None and generate.count and (not folder or URL.match(folder)):
+            raise ConfigError(
+                "generate: class images are drawn into a local image_dir; give the entry one"
+            )
+        if self.mask_column and not self.hf_dataset:
+            raise ConfigError("mask_column: masks are read from an hf_dataset's column")
+        if self.hf_dataset and not (self.image_column and self.caption_column and self.split):
+            raise ConfigError("hf_dataset: split, image_column and caption_column must be set")
+
+    def source_name(self) -> str:
+        """The source's own name (its folder's, dataset's or shards' last part), for reports."""
+        where = getattr(self, "image_dir", "") or self.hf_dataset or self.shards
+        return where.rstrip("/").rsplit("/", 1)[-1].split("{", 1)[0].rstrip("-_.") or where
+
+
+SOURCE_FIELDS = ("hf_dataset", "split", "image_column", "caption_column", "mask_column", "shards")
+"""The entry fields above: not data-section settings, so a view does not take them over."""

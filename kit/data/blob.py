@@ -1,0 +1,169 @@
+"""Where a sample's bytes are when it is no local file, and how they are read: lazily, one sample
+at a time, so a scan of a million images holds their names and sizes, never their pixels.
+
+A `Blob` is small and plain (strings and numbers, picklable), so a sample can be sent to another
+process; whatever it opens (a Hugging Face dataset, a filesystem for a URL) is opened again there.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kit.config.sources import URL
+from kit.errors import DataError
+
+
+def is_url(value: str) -> bool:
+    """Whether a dataset location is an fsspec URL (`s3://`, `gs://`, `hf://`...), not a path."""
+    return bool(URL.match(value or "")) and not value.startswith("file://")
+
+
+def local_path(value: str) -> str:
+    """A `file://` URL as the plain path it names; anything else unchanged."""
+    return value[len("file://") :] if value.startswith("file://") else value
+
+
+@functools.lru_cache(maxsize=32)
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of a URL and the path within it; opened once per process.
+
+    Credentials are whatever the filesystem's own library reads from the environment (for S3:
+    `AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, `AWS_ENDPOINT_URL`...), never the kit's config.
+    """
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path
+
+
+def read_range(location: str, start: int = 0, size: int = -1) -> bytes:
+    """`size` bytes of a file at `start` (all of it for -1): a local path or a URL."""
+    if is_url(location):
+        fs, path = filesystem(_base(location))
+        inner = path + location[len(_base(location)) :]
+        return fs.cat_file(inner, start=start, end=None if size < 0 else start + size)
+    with open(local_path(location), "rb") as f:
+        f.seek(start)
+        return f.read(size)
+
+
+def _base(url: str) -> str:
+    """The scheme and bucket of a URL (`s3://bucket`): one filesystem serves all its paths."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def sha256(data: bytes | memoryview) -> str:
+    """SHA-256 of bytes, in hex."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A sample's bytes: a byte range of a file (a shard's member, a whole object) or a cell of a
+    dataset's table. `digest` is the content's key (the cache keys latents by it)."""
+
+    name: str
+    """How reports name it: `train-000003.tar/000123.jpg`, `s3://bucket/cats/1.png`, `data[12]`."""
+    digest: str
+    """A digest of the bytes (SHA-256, or the object store's ETag with the size)."""
+    location: str = ""
+    """The file or URL the bytes lie in (a shard, an object); empty for a table cell."""
+    start: int = 0
+    size: int = -1
+    """Byte range within `location` (-1: to its end)."""
+    table: tuple[str, str, str] | None = None
+    """A dataset cell: (dataset, split, column) as `kit.data.sources.hf` opens it; `start` is
+    the row."""
+
+    def read(self) -> bytes:
+        """The bytes, read now (one range request for a remote file)."""
+        if self.table is not None:
+            return cell_bytes(self.table, self.start)
+        return read_range(self.location, self.start, self.size)
+
+    def open(self) -> io.BytesIO:
+        """The bytes as a file object Pillow opens."""
+        return io.BytesIO(self.read())
+
+
+@functools.lru_cache(maxsize=8)
+def open_dataset(name: str, split: str) -> Any:
+    """A Hugging Face dataset's split, opened once per process (memory-mapped: nothing is read).
+
+    `name` is a folder written by `save_to_disk`, parquet file(s) (a path or glob), a folder
+    `load_dataset` reads (parquet, an image folder), or a hub id (downloaded once into the
+    `datasets` cache; credentials from `HF_TOKEN` or `huggingface-cli login`).
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "hf_dataset needs the `datasets` package: pip install 'kit[data]'"
+        ) from None
+    where = f"hf_dataset {name}"
+    try:
+        saved = os.path.isdir(name) and any(
+            os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")
+        )
+        if saved:
+            d = datasets.load_from_disk(name)
+            if isinstance(d, datasets.DatasetDict):
+                if split not in d:
+                    raise DataError(
+                        f"{where} has no split {split!r} (it has {sorted(d)}): set split"
+                    )
+                d = d[split]
+            return d
+        if name.endswith(".parquet"):
+            return datasets.load_dataset("parquet", data_files={split: name}, split=split)
+        return datasets.load_dataset(name, split=split)
+    except DataError:
+        raise
+    except (ValueError, KeyError) as e:  # an unknown split, a dataset without one
+        raise DataError(f"{where}: {str(e).splitlines()[0]} (split {split!r})") from None
+    except (OSError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
+        raise DataError(f"{where} cannot be opened: {str(e).splitlines()[0]}") from None
+
+
+def cell_bytes(table: tuple[str, str, str], row: int) -> bytes:
+    """The image bytes in one row of a dataset's column (an Image column's bytes, or the file its
+    path names; a binary column's value)."""
+    name, split, column = table
+    value = open_dataset(name, split).data.column(column)[row].as_py()
+    if isinstance(value, dict):
+        if value.get("bytes") is not None:
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, str) and value:
+        return read_range(value)
+    if isinstance(value, bytes):
+        return value
+    raise DataError(f"{name}[{row}] column {column}: no image bytes in this row")
+
+
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Every name a shard pattern spells: `a-{000..012}.tar` (zero-padded as written), `{a,b}`."""
+    m = _BRACES.search(pattern)
+    if m is None:
+        return [pattern]
+    body, head, tail = m.group(1), pattern[: m.start()], pattern[m.end() :]
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = rng.group(1), rng.group(2)
+        width = len(lo) if lo.startswith("0") else 0
+        parts = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    elif "," in body:
+        parts = body.split(",")
+    else:
+        parts = ["{" + body + "}"]  # a brace that spells no list is part of the name
+    return [head + p + rest for p in parts for rest in expand_braces(tail)]

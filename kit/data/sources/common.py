@@ -1,0 +1,79 @@
+"""What every source does with one sample's bytes: its size from the header, its caption by the
+dataset's caption strategy, and the problems recorded as a folder scan records them."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from kit.config import DataConfig
+from kit.data.blob import Blob
+from kit.data.images import BadImage, probe
+from kit.data.samples import Sample, ScanReport
+from kit.errors import DataError
+
+
+def header_size(data: bytes | memoryview, cfg: DataConfig) -> tuple[int, int]:
+    """Width and height as displayed, from the bytes' header; BadImage when unusable."""
+    return probe(io.BytesIO(data), cfg.max_image_pixels)
+
+
+def caption_text(raw: bytes | str | None, ext: str, name: str, report: ScanReport) -> str:
+    """A caption from its bytes: text (not UTF-8 is replaced and noted), or a JSON record's
+    `caption` (else `text`, else `prompt`) field."""
+    if raw is None:
+        return ""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            text = raw.decode("utf-8-sig", errors="replace")
+            why = f"caption is not UTF-8 (byte {e.start}); undecodable bytes replaced with U+FFFD"
+            report.warnings.append((Path(name), why))
+    else:
+        text = str(raw)
+    if ext != "json":
+        return text.strip()
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"caption JSON cannot be read: {e}") from None
+    found = next((record[k] for k in ("caption", "text", "prompt") if k in record), None)
+    if not isinstance(found, str):
+        raise DataError("caption JSON has no `caption`, `text` or `prompt` string")
+    return found.strip()
+
+
+def add_sample(
+    report: ScanReport,
+    cfg: DataConfig,
+    blob: Blob,
+    header: bytes | memoryview,
+    caption: str | None,
+    where: str = "",
+) -> None:
+    """Record one sample, or why it is left out (`where`: its shard and key, for the reason).
+
+    `caption` None: the source has no caption for it (with `caption_strategy` textfile).
+    """
+    name = Path(blob.name)
+    try:
+        w, h = header_size(header, cfg)
+    except BadImage as e:
+        report.unreadable.append((name, f"{e}{where}"))
+        return
+    smallest = cfg.min_image_size
+    if w < smallest or h < smallest:
+        report.skipped.append((name, f"too small: {w}x{h}, under min_image_size {smallest} px"))
+        return
+    if cfg.caption_strategy == "instanceprompt":
+        caption = cfg.instance_prompt
+    elif cfg.caption_strategy == "filename":
+        caption = name.stem.replace("_", " ").strip()
+    elif caption is None:
+        report.missing_captions.append(name)
+        return
+    elif not caption:
+        report.empty_captions.append(name)
+    report.samples.append(Sample(name, caption, w, h, blob=blob))

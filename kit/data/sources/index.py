@@ -1,0 +1,114 @@
+"""A shard's scan, kept: the samples and problems one tar shard (or one block of a dataset's rows) gave, saved in the cache folder
+under a key of the shard's identity (its location, size and modification time or ETag) and of
+the settings the scan used. A later run, or another process of the same launch, reads the saved
+scan instead of the shard: at a million images a scan reads every byte once, not once per run.
+
+Processes of a launch (`RANK` / `WORLD_SIZE`) start their scans at different shards, so that the
+first pass over a dataset is shared between them without any waiting: each saves what it scanned,
+and finds the others' scans saved when it reaches their shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kit.config import DataConfig
+from kit.data.blob import Blob, filesystem, is_url, local_path
+from kit.data.paths import default_cache_dir
+from kit.data.samples import Sample, ScanReport
+from kit.io import write_text
+
+VERSION = 2
+"""Bumped when what a saved scan holds changes: older ones are then scanned again."""
+_LISTS = ("missing_captions", "orphan_captions", "empty_captions")
+_PAIRS = ("unreadable", "skipped", "warnings")
+
+
+def scan_dir(cfg: DataConfig) -> Path:
+    """Where saved scans are kept: `scans/` in the cache folder."""
+    return (Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()) / "scans"
+
+
+def identity(shard: str) -> list[Any] | None:
+    """What changes when a shard does: its size and mtime (a local file) or ETag; None when the
+    shard cannot be looked at (the scan then says why)."""
+    try:
+        if is_url(shard):
+            fs, path = filesystem(shard)
+            info = fs.info(path)
+            tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "mtime") if info.get(k)), "")
+            return [info.get("size"), str(tag)]
+        st = os.stat(local_path(shard))
+        return [st.st_size, st.st_mtime_ns]
+    except (OSError, ValueError):
+        return None
+
+
+def key(shard: str, cfg: DataConfig, ident: Any = ()) -> str | None:
+    """The saved scan's name: the shard (or a part of a dataset), its identity (by default the
+    shard's own, see `identity`) and the settings the scan applied."""
+    ident = identity(shard) if ident == () else ident
+    if ident is None:
+        return None
+    used = [
+        cfg.caption_strategy,
+        cfg.instance_prompt,
+        cfg.min_image_size,
+        cfg.max_image_pixels,
+    ]
+    return hashlib.sha256(repr((VERSION, shard, ident, used)).encode()).hexdigest()[:32]
+
+
+def load(folder: Path, name: str | None) -> ScanReport | None:
+    """A saved scan, or None (never saved, or unreadable: the shard is scanned again)."""
+    if name is None:
+        return None
+    try:
+        raw = json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    report = ScanReport()
+    for name_, caption, w, h, digest, location, start, size, *mask in raw["samples"]:
+        table = tuple(location) if isinstance(location, list) else None  # a dataset's cell
+        blob = Blob(name_, digest, "" if table else location, start, size, table)
+        masked = Blob(mask[0], mask[1], "", start, mask[2], tuple(mask[3])) if mask else None
+        report.samples.append(Sample(Path(name_), caption, w, h, blob=blob, mask=masked))
+    for f in _LISTS:
+        getattr(report, f).extend(Path(p) for p in raw[f])
+    for f in _PAIRS:
+        getattr(report, f).extend((Path(p), why) for p, why in raw[f])
+    return report
+
+
+def save(folder: Path, name: str | None, report: ScanReport) -> None:
+    """Save a shard's scan (atomically); nothing when the shard has no identity."""
+    if name is None:
+        return
+    samples = [
+        [s.blob.name, s.caption, s.width, s.height, s.blob.digest, s.blob.table or s.blob.location]
+        + [s.blob.start, s.blob.size]
+        + ([s.mask.name, s.mask.digest, s.mask.size, s.mask.table] if s.mask is not None else [])
+        for s in report.samples
+        if s.blob is not None
+    ]
+    raw: dict[str, Any] = {"samples": samples}
+    raw.update({f: [str(p) for p in getattr(report, f)] for f in _LISTS})
+    raw.update({f: [[str(p), why] for p, why in getattr(report, f)] for f in _PAIRS})
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        write_text(folder / f"{name}.json", json.dumps(raw, separators=(",", ":")))
+    except OSError:
+        pass  # a read-only cache folder: the shard is scanned again next time, nothing lost
+
+
+def rotated(names: list[Any]) -> list[Any]:
+    """Units of a scan (shards, blocks of rows, batches of objects) in the order this process
+    scans them: from its own start (rank × n / world)."""
+    rank = int(os.environ.get("RANK", "0") or 0)
+    world = max(int(os.environ.get("WORLD_SIZE", "1") or 1), 1)
+    start = rank * len(names) // world
+    return names[start:] + names[:start]
