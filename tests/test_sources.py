@@ -229,6 +229,13 @@ def test_s3_prefix_trains_and_resumes_exactly(tmp_path, make_config, records, s3
     manifest = _train_with_resume(make_config, tmp_path, {"image_dir": "s3://kit-data/toy"})
     assert len(manifest) == 8
     assert all(r["image"].startswith("s3://kit-data/toy/") for r in manifest)
+    # The bucket report names each object by its URL, as written.
+    from kit.config import load_config
+    from kit.data.report import bucket_report
+
+    cfg = load_config(make_config("b.json", image_dir="s3://kit-data/toy"))
+    files = [f for b in bucket_report(cfg)["buckets"] for f in b["files"]]
+    assert len(files) == 8 and all(f.startswith("s3://kit-data/toy/") for f in files), files
 
 
 def test_s3_shards_and_a_changed_object_re_encodes_alone(tmp_path, records, s3):

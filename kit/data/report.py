@@ -45,7 +45,7 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
             images=len(idx),  # the name earlier versions of `kit buckets --json` used
             repeats=plan.repeats.get(key, 1),
             per_epoch=plan.occurrences(idx) * plan.repeats.get(key, 1),
-            files=[str(samples[i].image) for i in idx],
+            files=[_shown(samples[i]) for i in idx],
         )
         if any(samples[i].controls for i in idx):  # an edit model's pairs: each file's controls
             row["controls"] = [[str(c) for c in samples[i].controls] for i in idx]
@@ -61,6 +61,8 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
         if video:  # a clip's windows are samples of their own: `count` counts windows
             row["clips"] = len({samples[i].image for i in idx if samples[i].clip})
         buckets.append(row)
+    # A sample of a dataset, shard or bucket by its own name (a URL keeps its `//`).
+    names = {s.image: _shown(s) for s in scanned.samples if s.blob is not None}
     # Every epoch has the same number of batches; epoch 0 stands for all.
     total = len(epoch_batches(plan, t.train_batch_size, t.seed, 0, num_processes))
     per_process = total // num_processes
@@ -73,7 +75,7 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
         "samples_per_epoch": sum(b["per_epoch"] for b in buckets),
         "datasets": _datasets(cfg, samples, plan),
         "buckets": buckets,
-        "dropped": [{"file": str(f), "reason": why} for f, why in plan.dropped],
+        "dropped": [{"file": names.get(f, str(f)), "reason": why} for f, why in plan.dropped],
         "aspect_histogram": aspect_histogram([s.width / s.height for s in samples]),
         "small_bucket_policy": cfg.data.small_bucket_policy,
         "processes": num_processes,
@@ -97,6 +99,11 @@ def _control_sizer(cfg: Config, family: Any) -> Any:
 
 def _wxh(size: tuple[int, int]) -> str:
     return f"{size[0]}x{size[1]}"
+
+
+def _shown(sample: Any) -> str:
+    """How a report names a sample: its file, or its source's name for it."""
+    return sample.blob.name if getattr(sample, "blob", None) is not None else str(sample.image)
 
 
 def _datasets(cfg: Config, samples: list, plan: Any) -> list[dict[str, Any]]:
