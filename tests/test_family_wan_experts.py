@@ -110,9 +110,7 @@ def test_what_two_experts_do_not_do_yet_is_refused(experts_base, monkeypatch):
     from kit.methods import get_method
 
     wan = wan22(experts_base, base_quantization="int8")
-    assert "two experts are not stored quantized" in get_method(wan.cfg, wan).quantization_refusal(
-        "int8"
-    )
+    assert get_method(wan.cfg, wan).quantization_refusal("int8") is None  # both stored int8
     with pytest.raises(KitError, match="blocks_to_swap with Wan 2.2's two experts"):
         wan = wan22(experts_base)
         wan.swap_blocks(wan.load(str(experts_base)).denoiser)
@@ -255,6 +253,59 @@ def test_exports_one_file_per_expert_that_loads_into_it(experts_run, experts_bas
             assert any(k.startswith("lora_unet_blocks_0_self_attn_q.") for k in f.keys())
 
 
+def test_quantized_experts_train_resume_and_export(experts_run):
+    """base_quantization with two experts: both experts' frozen Linear layers stored int8 (the
+    held one too), the adapters on the quantized layers; resume bit for bit; two files."""
+    from safetensors.torch import load_file
+
+    from kit.export.writer import export
+    from kit.families.wan_experts import _quantized_layers
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import fit, train
+    from kit.train.prepare import prepare
+
+    tmp, config, _ = experts_run
+    fields = {"base_quantization": "int8", "max_train_steps": 4, "checkpointing_steps": 2}
+    s = prepare(config("int8", **fields))
+    experts = s.comps.denoiser
+    for name in ("high", "low"):
+        quantized = _quantized_layers(experts.expert(name))
+        assert len(quantized) == 2 * 10  # attentions (4 + 4) and feed-forward (2) of 2 blocks
+        wrapped = [m for m in experts.expert(name).modules() if hasattr(m, "lora_A")]
+        assert wrapped and all(type(m.base_layer) is type(quantized[0]) for m in wrapped)
+    assert fit(s).step == 4
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "int8", 4) / ckpt.ADAPTER_FILE))
+    assert {k.split(".")[0] for k in weights} == {"high", "low"}
+    split = config("int8_split", **fields)
+    train(split.replace(max_train_steps=2))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "int8_split", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+    out = export(tmp / "int8", "diffusers", verify=False)
+    assert sorted(out.files) == ["high_noise", "low_noise"]
+
+
+def test_quantized_expert_moves_as_its_library_tensor(experts_base):
+    """`place` moves a quantized layer through its module (codes and scales together)."""
+    from kit.families import quantize as quant
+    from kit.families.wan_experts import _quantized_layers
+
+    experts = wan22(experts_base).load(str(experts_base)).denoiser
+    quant.quantize(experts, "int8", device="cpu")
+    moved: list[tuple[type, str]] = []
+
+    def move(t, device):
+        moved.append((type(t), device.type))
+        return t
+
+    experts.move = move
+    experts.place("low", torch.device("cuda"))
+    kinds = {k for k, _ in moved}
+    assert type(_quantized_layers(experts.low)[0].weight) in kinds
+    assert ("cuda" in {d for _, d in moved}) and ("cpu" in {d for _, d in moved})
+    assert experts.active == "low"
+
+
 @pytest.mark.slow
 def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_cache):
     from kit.preflight.estimate import estimate
@@ -284,6 +335,14 @@ def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_
     both, high = (runs[k].components for k in ("both", "high"))
     assert both["trainable_weights"] == 2 * high["trainable_weights"]
     assert both["activations"] == high["activations"]
+    # Quantized: both experts stored so, the one on the GPU and the one in host RAM; the load
+    # still reads both in bf16 (they are quantized once loaded).
+    for kind, size in (("int8", 13.53), ("nf4", 7.19)):
+        e = estimate(cfg.replace(train_experts="both", base_quantization=kind))
+        assert abs(e.components["denoiser_weights"] / gib - size) < 0.01, kind
+        waiting = next(n for n in e.notes if "waits in host RAM" in n)
+        assert f"({size:.2f} GiB, stored {kind}" in waiting
+        assert e.host_bytes / gib > 2 * 26.6
 
 
 def test_ti2v_5b_estimates_as_one_transformer(module_trace_cache):

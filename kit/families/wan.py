@@ -137,15 +137,6 @@ class Wan(Family):
             return self.variants[1 + i2v]
         return self.variants[2] if index.get("expand_timesteps") else self.variants[i2v]
 
-    def quantization_refusal(self, kind):
-        if read_experts(self.model_source(self.cfg.model.pretrained_model)) is None:
-            return None
-        return (
-            "Wan 2.2's two experts are not stored quantized yet (the expert that waits in CPU "
-            "memory would move as quantized weights, which is untested); set base_quantization: "
-            "none"
-        )
-
     def experts(self, source: str) -> tuple[str, ...]:
         """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
         with one transformer; refuses `train_experts` there (see kit.families.wan_experts)."""
