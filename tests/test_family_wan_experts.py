@@ -455,3 +455,37 @@ def test_model_card_loads_each_expert_file_into_its_transformer(experts_base):
         'pipe.load_lora_weights("me/lora", weight_name="pytorch_lora_weights_low_noise.safetensors", '
         "load_into_transformer_2=True)",
     ]
+
+
+def test_clips_play_at_the_models_own_frame_rate(tmp_path):
+    """Wan 2.1 and 2.2 A14B at 16 fps, TI2V-5B at 24, as their released examples export."""
+    from PIL import Image
+
+    from kit.run.folder import RunDir
+    from kit.sample.clips import index_run
+    from kit.sample.validate import save_drawn
+
+    rates = {
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 16,
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 16,
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": 24,
+    }
+    for hub_id, fps in rates.items():
+        wan = get_family("wan", Config().replace(pretrained_model=hub_id))
+        assert wan.clip_fps() == fps, hub_id
+    frames = [Image.new("RGB", (8, 8), (i * 40, 0, 0)) for i in range(5)]
+    save_drawn(frames, tmp_path / "a", 24)
+    clip = Image.open(tmp_path / "a.webp")
+    clip.seek(1)
+    clip.load()  # a frame's timing is read with the frame
+    assert clip.info["duration"] == round(1000 / 24)
+    # The run's index says the rate the sidecars were written at.
+    run = RunDir(tmp_path / "run")
+    folder = run.validation_step(2)
+    folder.mkdir(parents=True)
+    save_drawn(frames, folder / "00_seed3", 24)
+    Image.new("RGB", (8, 8)).save(folder / "grid.png")
+    (folder / "00_seed3.json").write_text('{"prompt": "p", "seed": 3, "frames": 5, "fps": 24}')
+    import json
+
+    assert json.loads(index_run(run).read_text())["fps"] == 24

@@ -102,6 +102,13 @@ class Wan(Family):
         """The most frames <= `available` a Wan clip can have (4k+1); 0 when none."""
         return (available - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1 if available > 0 else 0
 
+    def clip_fps(self):
+        # The rate the released models' examples export at (diffusers' Wan docs and Wan's own
+        # repository): 16 fps for Wan 2.1 and Wan 2.2 A14B, 24 fps for TI2V-5B (its clips are
+        # trained at 24 fps; the only base with per-token timesteps, `expand_timesteps`).
+        source = self.model_source(self.cfg.model.pretrained_model)
+        return 24 if read_index(source).get("expand_timesteps") else 16
+
     # ------------------------------------------------------------ loading
 
     # The transformer alone in Wan's own layout, as ComfyUI's diffusion_models hold it.
