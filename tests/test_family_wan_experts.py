@@ -111,9 +111,6 @@ def test_what_two_experts_do_not_do_yet_is_refused(experts_base, monkeypatch):
 
     wan = wan22(experts_base, base_quantization="int8")
     assert get_method(wan.cfg, wan).quantization_refusal("int8") is None  # both stored int8
-    with pytest.raises(KitError, match="blocks_to_swap with Wan 2.2's two experts"):
-        wan = wan22(experts_base)
-        wan.swap_blocks(wan.load(str(experts_base)).denoiser)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(KitError, match="two experts train on one process"):
         wan22(experts_base).load(str(experts_base))
@@ -489,3 +486,43 @@ def test_clips_play_at_the_models_own_frame_rate(tmp_path):
     import json
 
     assert json.loads(index_run(run).read_text())["fps"] == 24
+
+
+def test_experts_swap_their_blocks_train_and_resume(experts_run):
+    """blocks_to_swap with both experts: each expert's last block is swapped (hooks on both,
+    counted), its frozen weights back in CPU memory between uses; resume bit for bit."""
+    from safetensors.torch import load_file
+
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import fit, train
+    from kit.train.offload import SwapGroup, attached
+    from kit.train.prepare import prepare
+
+    tmp, config, _ = experts_run
+    fields = {"blocks_to_swap": 1, "max_train_steps": 4, "checkpointing_steps": 2}
+    s = prepare(config("swap", **fields))
+    experts = s.comps.denoiser
+    swap = attached(experts)
+    assert isinstance(swap, SwapGroup) and len(swap.swaps) == 2
+    for one, name in zip(swap.swaps, ("high", "low"), strict=True):
+        assert one.blocks[-1] is experts.expert(name).blocks[-1] and one.swapped == [1]
+    stored = swap.stored_params()
+    assert stored and stored == experts.swapped_params
+    assert fit(s).step == 4
+    for one in swap.swaps:
+        # Brought in for every forward and backward of its expert (and validation), and
+        # pointing at its CPU copy again after each.
+        assert one.forward_loads[1] > 0 and one.resident() == []
+        assert all(p.data.data_ptr() == host.data_ptr() for p, host in one._stored[1])
+    # A change of places leaves the swapped weights to the swaps.
+    moved: list[int] = []
+    experts.move = lambda t, d: moved.append(t.data_ptr()) or t
+    experts.place("low" if experts.active == "high" else "high", torch.device("cuda"))
+    swapped_data = {host.data_ptr() for one in swap.swaps for _, host in one._stored[1]}
+    assert moved and not swapped_data & set(moved)
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "swap", 4) / ckpt.ADAPTER_FILE))
+    split = config("swap_split", **fields)
+    train(split.replace(max_train_steps=2))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "swap_split", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)

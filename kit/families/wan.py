@@ -355,12 +355,17 @@ class Wan(Family):
         )[0]
 
     def swap_blocks(self, denoiser):
+        # Two experts: the blocks of the one on the accelerator (the other waits in CPU memory
+        # whole); `swap_stacks` gives both, each swapped as one transformer's.
         if isinstance(denoiser, WanExperts):
-            raise KitError(
-                "blocks_to_swap with Wan 2.2's two experts is not supported yet (each step runs "
-                "one expert's blocks); set blocks_to_swap: 0"
-            )
+            return list(denoiser.expert(denoiser.active).blocks)
         return list(denoiser.blocks)
+
+    def swap_stacks(self, denoiser):
+        """Each expert's blocks (the held one's too: validation runs it), for kit.train.offload."""
+        if not isinstance(denoiser, WanExperts):
+            return [list(denoiser.blocks)]
+        return [list(denoiser.expert(e).blocks) for e in ("high", "low")]
 
     # ------------------------------------------------------------ sampling
 

@@ -119,6 +119,9 @@ class WanExperts(nn.Module):
         self.offload = True
         self.active = self.trained[0]
         self.move = _move  # how a tensor changes device (a test records the moves instead)
+        # Parameters whose weights `blocks_to_swap` keeps in CPU memory (kit.train.offload sets
+        # them): the swap brings each in while its block runs, so the experts' moves skip them.
+        self.swapped_params: set[int] = set()
         for name, module in zip(EXPERTS, (high, low), strict=True):
             if name in self.trained:
                 setattr(self, name, module)  # a submodule: adapted, saved, placed
@@ -185,13 +188,17 @@ class WanExperts(nn.Module):
         quantized = _quantized_layers(module)
         for layer in quantized:
             layer._apply(lambda t: self.move(t, device), recurse=False)
-        inside = _tensor_ids(quantized)
+        skip = _tensor_ids(quantized) | self.swapped_params
         tensors = (
             _frozen_tensors(module) if frozen_only else [*module.parameters(), *module.buffers()]
         )
         for t in tensors:
-            if id(t) not in inside:
+            if id(t) not in skip:
                 t.data = self.move(t.data, device)
+
+    def waiting_models(self) -> list[nn.Module]:
+        """The experts waiting in CPU memory (kit.train.offload's `place` leaves them there)."""
+        return [self.expert(e) for e in EXPERTS if self.offload and e != self.active]
 
     def place(self, name: str, device: torch.device) -> None:
         """Expert `name` (all its weights) on `device`; the other expert's frozen weights in
