@@ -287,6 +287,12 @@ def test_quantized_expert_moves_as_its_library_tensor(experts_base):
     from kit.families import quantize as quant
     from kit.families.wan_experts import _quantized_layers
 
+    # Training one expert, the held one is stored quantized too (validation draws with it).
+    held = wan22(experts_base, train_experts="high").load(str(experts_base)).denoiser
+    report = quant.quantize(held, "int8", device="cpu")
+    assert {n.split(".")[0] for n in report.layers} == {"high", "low"}
+    assert _quantized_layers(held.expert("low"))
+
     experts = wan22(experts_base).load(str(experts_base)).denoiser
     quant.quantize(experts, "int8", device="cpu")
     moved: list[tuple[type, str]] = []
