@@ -438,6 +438,22 @@ def test_ti2v_timesteps_per_token_equal_the_pipelines(tmp_path):
         ((_, ours),) = seen_kit
         for key in ("hidden_states", "timestep", "encoder_hidden_states"):
             assert torch.equal(ours[key], theirs[key]), key
+    # Its validation clips play at 24 fps (the others' at 16), and their sidecars say so.
+    import json
+
+    from PIL import Image
+
+    from kit.families.base import ImageSpec
+    from kit.sample.validate import run_validation
+
+    assert wan.clip_fps() == 24
+    spec = ImageSpec(prompt, "", 0, 1, 1.0, 64, 96)
+    run_validation(wan, wan.pipeline(comps), [spec], tmp_path / "val", cols=1, meta={})
+    assert json.loads((tmp_path / "val" / "00_seed0.json").read_text())["fps"] == 24
+    clip = Image.open(tmp_path / "val" / "00_seed0.webp")
+    clip.seek(1)
+    clip.load()
+    assert clip.info["duration"] == round(1000 / 24)
 
 
 def test_model_card_loads_each_expert_file_into_its_transformer(experts_base):

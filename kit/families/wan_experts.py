@@ -22,6 +22,13 @@ adapters themselves, small, stay on the accelerator once there). Host RAM holds 
 expert throughout, as the estimate says. Changing places copies one expert each way (some
 seconds for 14B in bf16 over PCIe), so `both` pays that on the steps whose expert changes.
 
+With `base_quantization` both experts' frozen Linear layers are stored quantized, the waiting
+(or held) one first and sent back to CPU memory at once (`quantized_parts`), so host RAM holds
+it at its quantized size; a quantized layer moves through its module (its library's tensor
+keeps codes and scales together). With `blocks_to_swap` kit.train.offload swaps the same last
+blocks of each expert, one swap per expert whose hooks run with it; the experts' own moves skip
+those weights (`swapped_params`), which stay in CPU memory between their blocks' uses.
+
 One optimizer holds both experts' adapters. The step that trains one expert leaves the other's
 gradients None, and AdamW (torch's and bitsandbytes') skips a parameter without a gradient and
 keeps its step count per parameter, so each expert's moments and bias correction advance only

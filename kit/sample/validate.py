@@ -255,7 +255,8 @@ def run_validation(
             frames, sampling = draw(family, pipe, spec)
             images[-1].append(frame_strip(frames))
             stem = f"{r:02d}_seed{spec.seed}"
-            fps = family.clip_fps()  # the model's own rate (TI2V-5B: 24 fps)
+            # A clip plays at its model's own rate (TI2V-5B: 24 fps).
+            fps = family.clip_fps() if len(frames) > 1 else clips.FPS
             save_drawn(frames, out_dir / stem, fps)
             write_json(
                 out_dir / f"{stem}.json",
