@@ -110,12 +110,7 @@ def test_what_two_experts_do_not_do_yet_is_refused(experts_base, monkeypatch):
     from kit.methods import get_method
 
     wan = wan22(experts_base, base_quantization="int8")
-    assert "two experts are not stored quantized" in get_method(wan.cfg, wan).quantization_refusal(
-        "int8"
-    )
-    with pytest.raises(KitError, match="blocks_to_swap with Wan 2.2's two experts"):
-        wan = wan22(experts_base)
-        wan.swap_blocks(wan.load(str(experts_base)).denoiser)
+    assert get_method(wan.cfg, wan).quantization_refusal("int8") is None  # both stored int8
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(KitError, match="two experts train on one process"):
         wan22(experts_base).load(str(experts_base))
@@ -255,6 +250,65 @@ def test_exports_one_file_per_expert_that_loads_into_it(experts_run, experts_bas
             assert any(k.startswith("lora_unet_blocks_0_self_attn_q.") for k in f.keys())
 
 
+def test_quantized_experts_train_resume_and_export(experts_run):
+    """base_quantization with two experts: both experts' frozen Linear layers stored int8 (the
+    held one too), the adapters on the quantized layers; resume bit for bit; two files."""
+    from safetensors.torch import load_file
+
+    from kit.export.writer import export
+    from kit.families.wan_experts import _quantized_layers
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import fit, train
+    from kit.train.prepare import prepare
+
+    tmp, config, _ = experts_run
+    fields = {"base_quantization": "int8", "max_train_steps": 4, "checkpointing_steps": 2}
+    s = prepare(config("int8", **fields))
+    experts = s.comps.denoiser
+    for name in ("high", "low"):
+        quantized = _quantized_layers(experts.expert(name))
+        assert len(quantized) == 2 * 10  # attentions (4 + 4) and feed-forward (2) of 2 blocks
+        wrapped = [m for m in experts.expert(name).modules() if hasattr(m, "lora_A")]
+        assert wrapped and all(type(m.base_layer) is type(quantized[0]) for m in wrapped)
+    assert fit(s).step == 4
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "int8", 4) / ckpt.ADAPTER_FILE))
+    assert {k.split(".")[0] for k in weights} == {"high", "low"}
+    split = config("int8_split", **fields)
+    train(split.replace(max_train_steps=2))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "int8_split", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+    out = export(tmp / "int8", "diffusers", verify=False)
+    assert sorted(out.files) == ["high_noise", "low_noise"]
+
+
+def test_quantized_expert_moves_as_its_library_tensor(experts_base):
+    """`place` moves a quantized layer through its module (codes and scales together)."""
+    from kit.families import quantize as quant
+    from kit.families.wan_experts import _quantized_layers
+
+    # Training one expert, the held one is stored quantized too (validation draws with it).
+    held = wan22(experts_base, train_experts="high").load(str(experts_base)).denoiser
+    report = quant.quantize(held, "int8", device="cpu")
+    assert {n.split(".")[0] for n in report.layers} == {"high", "low"}
+    assert _quantized_layers(held.expert("low"))
+
+    experts = wan22(experts_base).load(str(experts_base)).denoiser
+    quant.quantize(experts, "int8", device="cpu")
+    moved: list[tuple[type, str]] = []
+
+    def move(t, device):
+        moved.append((type(t), device.type))
+        return t
+
+    experts.move = move
+    experts.place("low", torch.device("cuda"))
+    kinds = {k for k, _ in moved}
+    assert type(_quantized_layers(experts.low)[0].weight) in kinds
+    assert ("cuda" in {d for _, d in moved}) and ("cpu" in {d for _, d in moved})
+    assert experts.active == "low"
+
+
 @pytest.mark.slow
 def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_cache):
     from kit.preflight.estimate import estimate
@@ -284,6 +338,14 @@ def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_
     both, high = (runs[k].components for k in ("both", "high"))
     assert both["trainable_weights"] == 2 * high["trainable_weights"]
     assert both["activations"] == high["activations"]
+    # Quantized: both experts stored so, the one on the GPU and the one in host RAM; the load
+    # still reads both in bf16 (they are quantized once loaded).
+    for kind, size in (("int8", 13.53), ("nf4", 7.19)):
+        e = estimate(cfg.replace(train_experts="both", base_quantization=kind))
+        assert abs(e.components["denoiser_weights"] / gib - size) < 0.01, kind
+        waiting = next(n for n in e.notes if "waits in host RAM" in n)
+        assert f"({size:.2f} GiB, stored {kind}" in waiting
+        assert e.host_bytes / gib > 2 * 26.6
 
 
 def test_ti2v_5b_estimates_as_one_transformer(module_trace_cache):
@@ -376,6 +438,22 @@ def test_ti2v_timesteps_per_token_equal_the_pipelines(tmp_path):
         ((_, ours),) = seen_kit
         for key in ("hidden_states", "timestep", "encoder_hidden_states"):
             assert torch.equal(ours[key], theirs[key]), key
+    # Its validation clips play at 24 fps (the others' at 16), and their sidecars say so.
+    import json
+
+    from PIL import Image
+
+    from kit.families.base import ImageSpec
+    from kit.sample.validate import run_validation
+
+    assert wan.clip_fps() == 24
+    spec = ImageSpec(prompt, "", 0, 1, 1.0, 64, 96)
+    run_validation(wan, wan.pipeline(comps), [spec], tmp_path / "val", cols=1, meta={})
+    assert json.loads((tmp_path / "val" / "00_seed0.json").read_text())["fps"] == 24
+    clip = Image.open(tmp_path / "val" / "00_seed0.webp")
+    clip.seek(1)
+    clip.load()
+    assert clip.info["duration"] == round(1000 / 24)
 
 
 def test_model_card_loads_each_expert_file_into_its_transformer(experts_base):
@@ -396,3 +474,77 @@ def test_model_card_loads_each_expert_file_into_its_transformer(experts_base):
         'pipe.load_lora_weights("me/lora", weight_name="pytorch_lora_weights_low_noise.safetensors", '
         "load_into_transformer_2=True)",
     ]
+
+
+def test_clips_play_at_the_models_own_frame_rate(tmp_path):
+    """Wan 2.1 and 2.2 A14B at 16 fps, TI2V-5B at 24, as their released examples export."""
+    from PIL import Image
+
+    from kit.run.folder import RunDir
+    from kit.sample.clips import index_run
+    from kit.sample.validate import save_drawn
+
+    rates = {
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": 16,
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers": 16,
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": 24,
+    }
+    for hub_id, fps in rates.items():
+        wan = get_family("wan", Config().replace(pretrained_model=hub_id))
+        assert wan.clip_fps() == fps, hub_id
+    frames = [Image.new("RGB", (8, 8), (i * 40, 0, 0)) for i in range(5)]
+    save_drawn(frames, tmp_path / "a", 24)
+    clip = Image.open(tmp_path / "a.webp")
+    clip.seek(1)
+    clip.load()  # a frame's timing is read with the frame
+    assert clip.info["duration"] == round(1000 / 24)
+    # The run's index says the rate the sidecars were written at.
+    run = RunDir(tmp_path / "run")
+    folder = run.validation_step(2)
+    folder.mkdir(parents=True)
+    save_drawn(frames, folder / "00_seed3", 24)
+    Image.new("RGB", (8, 8)).save(folder / "grid.png")
+    (folder / "00_seed3.json").write_text('{"prompt": "p", "seed": 3, "frames": 5, "fps": 24}')
+    import json
+
+    assert json.loads(index_run(run).read_text())["fps"] == 24
+
+
+def test_experts_swap_their_blocks_train_and_resume(experts_run):
+    """blocks_to_swap with both experts: each expert's last block is swapped (hooks on both,
+    counted), its frozen weights back in CPU memory between uses; resume bit for bit."""
+    from safetensors.torch import load_file
+
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import fit, train
+    from kit.train.offload import SwapGroup, attached
+    from kit.train.prepare import prepare
+
+    tmp, config, _ = experts_run
+    fields = {"blocks_to_swap": 1, "max_train_steps": 4, "checkpointing_steps": 2}
+    s = prepare(config("swap", **fields))
+    experts = s.comps.denoiser
+    swap = attached(experts)
+    assert isinstance(swap, SwapGroup) and len(swap.swaps) == 2
+    for one, name in zip(swap.swaps, ("high", "low"), strict=True):
+        assert one.blocks[-1] is experts.expert(name).blocks[-1] and one.swapped == [1]
+    stored = swap.stored_params()
+    assert stored and stored == experts.swapped_params
+    assert fit(s).step == 4
+    for one in swap.swaps:
+        # Brought in for every forward and backward of its expert (and validation), and
+        # pointing at its CPU copy again after each.
+        assert one.forward_loads[1] > 0 and one.resident() == []
+        assert all(p.data.data_ptr() == host.data_ptr() for p, host in one._stored[1])
+    # A change of places leaves the swapped weights to the swaps.
+    moved: list[int] = []
+    experts.move = lambda t, d: moved.append(t.data_ptr()) or t
+    experts.place("low" if experts.active == "high" else "high", torch.device("cuda"))
+    swapped_data = {host.data_ptr() for one in swap.swaps for _, host in one._stored[1]}
+    assert moved and not swapped_data & set(moved)
+    weights = load_file(str(ckpt.checkpoint_dir(tmp / "swap", 4) / ckpt.ADAPTER_FILE))
+    split = config("swap_split", **fields)
+    train(split.replace(max_train_steps=2))
+    train(split, resume="latest")
+    resumed = load_file(str(ckpt.checkpoint_dir(tmp / "swap_split", 4) / ckpt.ADAPTER_FILE))
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)

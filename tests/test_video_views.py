@@ -242,6 +242,6 @@ def test_a14b_estimate_names_the_expert_on_the_gpu_and_the_one_in_host_ram(
     # Training one expert: the note names it (the other still waits, for validation).
     high = from_dict(bench.settings(bench.A14B, "high", 5))
     assert on_accelerator(high) == "the high-noise expert, which trains"
-    # Quantized experts are refused by the family; the bench reports it in the kit's words.
-    refused = bench.row("A14B", bench.A14B, "high", "int8", 0, (256, 256, 5), "")
-    assert "not stored quantized yet" in refused["refused"]
+    # Quantized experts: the one on the GPU and the one waiting in host RAM both stored int8.
+    int8 = bench.row("A14B", bench.A14B, "high", "int8", 0, (256, 256, 5), "")
+    assert "refused" not in int8 and int8["denoiser_gpu_gib"] == int8["waiting_host_gib"] == 13.5

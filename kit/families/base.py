@@ -216,6 +216,11 @@ class Family(FamilyExports, ABC):
         """The most frames (≤ available) a clip of this family may have; video families override."""
         return available
 
+    def clip_fps(self) -> int:
+        """Frames per second the configured model's validation clips play at (its released
+        pipeline's own rate); video families whose models differ override."""
+        return 16
+
     def swap_blocks(self, denoiser: nn.Module) -> list[nn.Module]:
         """The denoiser's transformer blocks in the order its forward runs them: what
         `blocks_to_swap` may keep in CPU memory (`kit.train.offload`).

@@ -281,6 +281,9 @@ def quantize(
     """
     if kind == "none":
         return QuantReport(kind, "")
+    parts = getattr(module, "quantized_parts", None)
+    if parts is not None:
+        return _quantize_parts(parts(), kind, device=device, dtype=dtype)
     dev = torch.device(device)
     names = quantizable_layers(module)
     wanted = set(names)
@@ -297,6 +300,23 @@ def quantize(
         new.requires_grad_(False)
         report.bytes_after += tensor_bytes(new.weight)
         setattr(parent, child, new)
+    return report
+
+
+def _quantize_parts(
+    parts: Any, kind: str, *, device: torch.device | str, dtype: torch.dtype | None
+) -> QuantReport:
+    """A denoiser of several models (Wan 2.2's two experts, `quantized_parts`): each model in
+    turn, then its `done()` (the expert that waits goes back to CPU memory quantized, so two
+    are never on the device at once); one report, the layers named by their part."""
+    report = QuantReport(kind, BACKENDS[kind])
+    for prefix, part, done in parts:
+        one = quantize(part, kind, device=device, dtype=dtype)
+        report.layers += [f"{prefix}.{n}" for n in one.layers]
+        report.kept += [f"{prefix}.{n}" for n in one.kept]
+        report.bytes_before += one.bytes_before
+        report.bytes_after += one.bytes_after
+        done()
     return report
 
 

@@ -102,6 +102,13 @@ class Wan(Family):
         """The most frames <= `available` a Wan clip can have (4k+1); 0 when none."""
         return (available - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1 if available > 0 else 0
 
+    def clip_fps(self):
+        # The rate the released models' examples export at (diffusers' Wan docs and Wan's own
+        # repository): 16 fps for Wan 2.1 and Wan 2.2 A14B, 24 fps for TI2V-5B (its clips are
+        # trained at 24 fps; the only base with per-token timesteps, `expand_timesteps`).
+        source = self.model_source(self.cfg.model.pretrained_model)
+        return 24 if read_index(source).get("expand_timesteps") else 16
+
     # ------------------------------------------------------------ loading
 
     # The transformer alone in Wan's own layout, as ComfyUI's diffusion_models hold it.
@@ -136,15 +143,6 @@ class Wan(Family):
         if read_experts(source) is not None:
             return self.variants[1 + i2v]
         return self.variants[2] if index.get("expand_timesteps") else self.variants[i2v]
-
-    def quantization_refusal(self, kind):
-        if read_experts(self.model_source(self.cfg.model.pretrained_model)) is None:
-            return None
-        return (
-            "Wan 2.2's two experts are not stored quantized yet (the expert that waits in CPU "
-            "memory would move as quantized weights, which is untested); set base_quantization: "
-            "none"
-        )
 
     def experts(self, source: str) -> tuple[str, ...]:
         """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
@@ -357,12 +355,17 @@ class Wan(Family):
         )[0]
 
     def swap_blocks(self, denoiser):
+        # Two experts: the blocks of the one on the accelerator (the other waits in CPU memory
+        # whole); `swap_stacks` gives both, each swapped as one transformer's.
         if isinstance(denoiser, WanExperts):
-            raise KitError(
-                "blocks_to_swap with Wan 2.2's two experts is not supported yet (each step runs "
-                "one expert's blocks); set blocks_to_swap: 0"
-            )
+            return list(denoiser.expert(denoiser.active).blocks)
         return list(denoiser.blocks)
+
+    def swap_stacks(self, denoiser):
+        """Each expert's blocks (the held one's too: validation runs it), for kit.train.offload."""
+        if not isinstance(denoiser, WanExperts):
+            return [list(denoiser.blocks)]
+        return [list(denoiser.expert(e).blocks) for e in ("high", "low")]
 
     # ------------------------------------------------------------ sampling
 

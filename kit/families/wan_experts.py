@@ -22,6 +22,13 @@ adapters themselves, small, stay on the accelerator once there). Host RAM holds 
 expert throughout, as the estimate says. Changing places copies one expert each way (some
 seconds for 14B in bf16 over PCIe), so `both` pays that on the steps whose expert changes.
 
+With `base_quantization` both experts' frozen Linear layers are stored quantized, the waiting
+(or held) one first and sent back to CPU memory at once (`quantized_parts`), so host RAM holds
+it at its quantized size; a quantized layer moves through its module (its library's tensor
+keeps codes and scales together). With `blocks_to_swap` kit.train.offload swaps the same last
+blocks of each expert, one swap per expert whose hooks run with it; the experts' own moves skip
+those weights (`swapped_params`), which stay in CPU memory between their blocks' uses.
+
 One optimizer holds both experts' adapters. The step that trains one expert leaves the other's
 gradients None, and AdamW (torch's and bitsandbytes') skips a parameter without a gradient and
 keeps its step count per parameter, so each expert's moments and bias correction advance only
@@ -119,6 +126,9 @@ class WanExperts(nn.Module):
         self.offload = True
         self.active = self.trained[0]
         self.move = _move  # how a tensor changes device (a test records the moves instead)
+        # Parameters whose weights `blocks_to_swap` keeps in CPU memory (kit.train.offload sets
+        # them): the swap brings each in while its block runs, so the experts' moves skip them.
+        self.swapped_params: set[int] = set()
         for name, module in zip(EXPERTS, (high, low), strict=True):
             if name in self.trained:
                 setattr(self, name, module)  # a submodule: adapted, saved, placed
@@ -142,19 +152,60 @@ class WanExperts(nn.Module):
         """True where a timestep is the high-noise expert's (WanPipeline's test, t >= boundary)."""
         return timesteps >= self.boundary
 
+    def quantized_parts(self) -> list[tuple[str, nn.Module, Any]]:
+        """`base_quantization` (kit.families.quantize) stores both experts' frozen weights
+        quantized, the trained and the held one alike: (name, expert, what to do once it is
+        quantized). The waiting expert goes first and back to CPU memory, quantized, as soon
+        as it is done, so the two are never on the accelerator together."""
+        waiting = [e for e in EXPERTS if e != self.active]
+        cpu = torch.device("cpu")
+        return [
+            (name, self.expert(name), lambda name=name: self._relocate(name, cpu, False))
+            for name in waiting
+        ] + [(self.active, self.expert(self.active), lambda: None)]
+
     def _apply(self, fn: Any, recurse: bool = True) -> WanExperts:
         # `.to(...)` moves the held expert with the trained one (validation draws with both).
         # Offloading, the waiting expert takes the dtype and stays in CPU memory: it never
         # reaches the accelerator beside the active one, not even while the base is placed.
+        def to_cpu(t: torch.Tensor) -> torch.Tensor:
+            out = fn(t)  # a meta tensor (the estimate's parts) stays one
+            return out if t.device.type == "meta" else out.to("cpu")
+
         for name in EXPERTS:
             module = self.expert(name)
             if self.offload and name != self.active:
+                quantized = _quantized_layers(module)
+                for layer in quantized:  # their own tensor types: moved by the module
+                    layer._apply(to_cpu, recurse=False)
+                inside = _tensor_ids(quantized)
                 for t in [*module.parameters(), *module.buffers()]:
-                    out = fn(t.data)  # a meta tensor (the estimate's parts) stays one
-                    t.data = out if t.device.type == "meta" else out.to("cpu")
+                    if id(t) not in inside:
+                        t.data = to_cpu(t.data)
             else:
                 module._apply(fn, recurse)
         return self
+
+    def _relocate(self, name: str, device: torch.device, frozen_only: bool) -> None:
+        """Expert `name`'s tensors (only the frozen ones with `frozen_only`) onto `device`.
+        A quantized layer's weight (optimum-quanto's or bitsandbytes' own tensor type, codes
+        and scales) moves through its module, as `.to` moves it; plain tensors keep their
+        identity (the optimizer holds the trained ones) and only their `.data` moves."""
+        module = self.expert(name)
+        quantized = _quantized_layers(module)
+        for layer in quantized:
+            layer._apply(lambda t: self.move(t, device), recurse=False)
+        skip = _tensor_ids(quantized) | self.swapped_params
+        tensors = (
+            _frozen_tensors(module) if frozen_only else [*module.parameters(), *module.buffers()]
+        )
+        for t in tensors:
+            if id(t) not in skip:
+                t.data = self.move(t.data, device)
+
+    def waiting_models(self) -> list[nn.Module]:
+        """The experts waiting in CPU memory (kit.train.offload's `place` leaves them there)."""
+        return [self.expert(e) for e in EXPERTS if self.offload and e != self.active]
 
     def place(self, name: str, device: torch.device) -> None:
         """Expert `name` (all its weights) on `device`; the other expert's frozen weights in
@@ -162,10 +213,8 @@ class WanExperts(nn.Module):
         if not self.offload or (name == self.active and self.expert(name).device == device):
             return
         other = next(e for e in EXPERTS if e != name)
-        for t in _frozen_tensors(self.expert(other)):
-            t.data = self.move(t.data, torch.device("cpu"))
-        for t in [*self.expert(name).parameters(), *self.expert(name).buffers()]:
-            t.data = self.move(t.data, device)
+        self._relocate(other, torch.device("cpu"), True)
+        self._relocate(name, device, False)
         self.active = name
 
     @property
@@ -219,6 +268,21 @@ def _move(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _frozen_tensors(module: nn.Module) -> list[torch.Tensor]:
     """The module's parameters that do not train, and its buffers."""
     return [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
+
+
+def _quantized_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers whose own weight is stored quantized (base_quantization); not the adapter
+    layers wrapping them, which only show their base layer's weight."""
+    from kit.families.quantize import is_quantized
+
+    return [m for m in module.modules() if "weight" in m._parameters and is_quantized(m)]
+
+
+def _tensor_ids(layers: list[nn.Module]) -> set[int]:
+    """The ids of the layers' own parameters and buffers."""
+    return {
+        id(t) for m in layers for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+    }
 
 
 def accept_for(experts: WanExperts, name: str) -> Any:

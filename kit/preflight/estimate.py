@@ -56,7 +56,7 @@ GPUS = {
 }
 NO_BF16 = {"T4 16GB"}  # cards without bf16: mixed precision there means fp16
 HOST_PROCESS = int(2.5 * GIB)  # Python, PyTorch and the CUDA libraries in host memory
-VERSION = 6  # bump when the trace changes: keys the on-disk cache
+VERSION = 7  # bump when the trace changes: keys the on-disk cache
 
 PERSISTENT = (
     "_weights",
@@ -443,10 +443,16 @@ def from_trace(
     # and an EMA kept on the CPU stay. The peak is the larger phase.
     # Every frozen part loads in the run's dtype, but the VAE, which encodes the cache, in fp32.
     read = {n: sum(v.values()) * (4 // half if n == "vae" else 1) for n, v in tr["frozen"].items()}
-    waiting = tr.get("host_resident", {})  # a model of the denoiser kept off the GPU
+    # A model of the denoiser kept off the GPU, stored as the denoiser is (quantized too).
+    waiting = {
+        label: stored(storage.kind("denoiser", family), size, inv.get("waiting", {}).get(label))
+        for label, size in tr.get("host_resident", {}).items()
+    }
     for_cache = sum(v for n, v in read.items() if n != "denoiser")
+    # Both experts load in the run's dtype and are quantized afterwards, layer by layer.
+    loaded_waiting = sum(tr.get("host_resident", {}).values())
     for_training = (
-        read.get("denoiser", 0) + sum(waiting.values()) + (trained if method.whole_denoiser else 0)
+        read.get("denoiser", 0) + loaded_waiting + (trained if method.whole_denoiser else 0)
     )
     loaded = max(for_cache, for_training)
     loading = {"loaded_weights": loaded}
@@ -470,7 +476,7 @@ def from_trace(
     notes += [
         f"one denoiser model at a time on the GPU: {on_gpu} "
         f"({comps.get('denoiser_weights', 0) / GIB:.2f} GiB); {label} waits in host RAM "
-        f"({size / GIB:.2f} GiB{', not quantized there' if quant != 'none' else ''})"
+        f"({size / GIB:.2f} GiB{f', stored {quant} as on the GPU' if quant != 'none' else ''})"
         for label, size in waiting.items()
     ]
     encoders = sum(comps[f"{n}_weights"] for n in tr["frozen"] if n != "denoiser")

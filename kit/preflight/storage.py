@@ -48,23 +48,46 @@ ALLOCATOR_RESERVE = 0.08  # cached but unused blocks (fragmentation), as a share
 
 
 def quant_inventory(
-    parts: dict[str, nn.Module], family: Family, dtype: torch.dtype
+    parts: dict[str, nn.Module],
+    family: Family,
+    dtype: torch.dtype,
+    waiting: dict[str, nn.Module] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Part → bytes of its quantizable layers in `dtype` (`none`) and stored as each kind,
     with the largest such weight; taken before an adapter wraps the layers, as training
-    quantizes them before it attaches one."""
+    quantizes them before it attaches one.
+
+    `waiting`: models of the denoiser kept in host RAM while another trains
+    (`Family.host_resident`, Wan 2.2's experts), left out of the denoiser's entry (the GPU
+    holds one expert); `waiting_inventory` sizes them."""
     # Every text encoder: `text_encoder_quantization` stores any of them quantized.
     names = [n for n in parts if n != "vae"]
     out = {}
     for name in names:
-        module = parts[name]
-        layers = quant.quantizable_layers(module)
-        sizes = {"largest": 0}
-        for kind in KINDS:
-            sizes["none"], sizes[kind] = quant.estimated_bytes(module, kind, dtype)
-        sizes["largest"] = max((module.get_submodule(n).weight.numel() for n in layers), default=0)
-        out[name] = sizes
+        out[name] = _quant_sizes(parts[name], dtype)
+    for module in (waiting or {}).values():
+        if "denoiser" in out and any(m is module for m in parts["denoiser"].modules()):
+            sizes = _quant_sizes(module, dtype)
+            for kind in ("none", *KINDS):
+                out["denoiser"][kind] -= sizes[kind]
     return out
+
+
+def waiting_inventory(
+    waiting: dict[str, nn.Module], dtype: torch.dtype
+) -> dict[str, dict[str, int]]:
+    """Label → the quantizable layers' sizes of each model of the denoiser that waits in host
+    RAM (stored as `base_quantization` stores the denoiser: Wan 2.2's waiting expert)."""
+    return {label: _quant_sizes(module, dtype) for label, module in waiting.items()}
+
+
+def _quant_sizes(module: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    layers = quant.quantizable_layers(module)
+    sizes = {"largest": 0}
+    for kind in KINDS:
+        sizes["none"], sizes[kind] = quant.estimated_bytes(module, kind, dtype)
+    sizes["largest"] = max((module.get_submodule(n).weight.numel() for n in layers), default=0)
+    return sizes
 
 
 def swap_blocks(family: Family, denoiser: nn.Module) -> list[nn.Module]:
@@ -175,6 +198,7 @@ __all__ = [
     "swap_choices",
     "swap_plan",
     "swap_slowdown",
+    "waiting_inventory",
 ]
 
 

@@ -37,7 +37,7 @@ from kit.families import Family, get_family
 from kit.families.shipped import config_source
 from kit.methods import get_method
 from kit.precision import torch_dtype
-from kit.preflight.storage import block_inventory, quant_inventory
+from kit.preflight.storage import block_inventory, quant_inventory, waiting_inventory
 
 BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
 OPTIMIZERS = typing.get_args(typing.get_type_hints(TrainConfig)["optimizer"])
@@ -325,14 +325,17 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     half = None if weight_dtype == torch.float32 else weight_dtype
     for m in parts.values():
         m.to(device="meta", dtype=weight_dtype)
-    quantizable = quant_inventory(parts, family, weight_dtype)  # before an adapter wraps layers
+    # Models of the denoiser that wait in host RAM while another trains (Wan 2.2's experts):
+    # their quantizable layers are counted apart, as what host RAM holds of them.
+    resident = family.host_resident(parts["denoiser"])
+    quantizable = quant_inventory(parts, family, weight_dtype, resident)  # before an adapter
+    waiting_quantizable = waiting_inventory(resident, weight_dtype)
     method = get_method(cfg, family)
     learned = method.mark_trainable(parts).trainable
     trained = [p for m in parts.values() for p in m.parameters() if p.requires_grad]
     for p in trained:
         p.data = p.data.float()  # trained weights stay fp32, as in kit.train.loop
     # Models of the denoiser that wait in host RAM while another trains: not on the GPU.
-    resident = family.host_resident(parts["denoiser"])
     waiting = {id(p) for m in resident.values() for p in m.parameters()}
     host_resident = {
         label: sum(p.numel() * p.element_size() for p in m.parameters() if not p.requires_grad)
@@ -423,7 +426,11 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     shapes = [tuple(p.shape) for p in trained]
     return {
         "inputs_bytes": inputs,
-        "storage": {"quantized": quantizable, "blocks": block_inventory(family, denoiser)},
+        "storage": {
+            "quantized": quantizable,
+            "waiting": waiting_quantizable,
+            "blocks": block_inventory(family, denoiser),
+        },
         "peak": peak,
         "frozen": frozen,
         "host_resident": host_resident,

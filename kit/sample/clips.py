@@ -24,7 +24,8 @@ from kit.io import write_json, write_with
 from kit.run.folder import RunDir
 
 FPS = 16
-"""Frames per second a validation clip plays at: Wan's (diffusers' `export_to_video` examples)."""
+"""Frames per second a validation clip plays at where its model says no other (`Family.clip_fps`:
+Wan 2.1 and 2.2 A14B 16, TI2V-5B 24, as diffusers' `export_to_video` examples write them)."""
 INDEX = "index.json"
 """The name of a validation folder's index (and of the run's, in `validation/`)."""
 
@@ -116,8 +117,10 @@ def index_run(run: RunDir) -> Path | None:
     listed = [_folder_entry(run, step, d) for step, d in folders if (d / "grid.png").is_file()]
     if not listed:
         return None
-    record: dict[str, Any] = {"fps": FPS, "folders": listed}
     drawn = [item for f in listed for item in f["items"]]
+    # The rate the clips were written at (their sidecars say; older ones at FPS).
+    rates = [i["fps"] for i in drawn if "fps" in i]
+    record: dict[str, Any] = {"fps": rates[-1] if rates else FPS, "folders": listed}
     if any("clip" in i for i in drawn) and not any("video" in i for i in drawn):
         record["video"] = (
             "no MP4: imageio-ffmpeg is not installed (`pip install imageio[ffmpeg]`); "
@@ -141,8 +144,9 @@ def _folder_entry(run: RunDir, step: int | None, folder: Path) -> dict[str, Any]
         for kind, suffix in (("image", ".png"), ("clip", ".webp"), ("video", ".mp4")):
             if sidecar.with_suffix(suffix).is_file():
                 item[kind] = sidecar.with_suffix(suffix).name
-        if "frames" in record:
-            item["frames"] = record["frames"]
+        for key in ("frames", "fps"):
+            if key in record:
+                item[key] = record[key]
         items.append({**item, "sidecar": sidecar.name})
     rel = folder.relative_to(run.validation).as_posix()
     return {"folder": rel, "step": step, "grid": "grid.png", "items": items}

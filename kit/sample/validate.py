@@ -149,15 +149,16 @@ def frame_strip(frames: list[Image.Image]) -> Image.Image:
     return strip
 
 
-def save_drawn(frames: list[Image.Image], stem: Path) -> dict[str, str]:
+def save_drawn(frames: list[Image.Image], stem: Path, fps: int = clips.FPS) -> dict[str, str]:
     """`stem.png` (the image, or a clip's frame strip) and, for a clip, its animated WebP and
-    MP4 (`kit.sample.clips`); every file atomic. Their names by kind: image, clip, video."""
+    MP4 at `fps` (`kit.sample.clips`); every file atomic. Their names by kind: image, clip,
+    video."""
     png = stem.with_suffix(".png")
     strip = frame_strip(frames)
     write_with(png, lambda tmp: strip.save(tmp, format="PNG"))
     out = {"image": png.name}
     if len(frames) > 1:
-        out.update(clips.save_clip(frames, stem))
+        out.update(clips.save_clip(frames, stem, fps))
     return out
 
 
@@ -254,7 +255,9 @@ def run_validation(
             frames, sampling = draw(family, pipe, spec)
             images[-1].append(frame_strip(frames))
             stem = f"{r:02d}_seed{spec.seed}"
-            save_drawn(frames, out_dir / stem)
+            # A clip plays at its model's own rate (TI2V-5B: 24 fps).
+            fps = family.clip_fps() if len(frames) > 1 else clips.FPS
+            save_drawn(frames, out_dir / stem, fps)
             write_json(
                 out_dir / f"{stem}.json",
                 {
@@ -264,6 +267,7 @@ def run_validation(
                     "call_kwargs": family.call_kwargs(spec),
                     **strict_json(sampling),
                     "frames": len(frames),
+                    **({"fps": fps} if len(frames) > 1 else {}),
                     **meta,
                 },
             )

@@ -381,14 +381,21 @@ def place(
     `blocks`, which are cast where they are (CPU memory): the model is never whole on the
     device, so a base larger than the card's memory loads at all."""
     held = {id(p) for b in blocks[len(blocks) - n :] for p in b.parameters() if _plain(p)}
-    for module in denoiser.modules():
+    # A denoiser of several models (Wan 2.2's experts) keeps the ones waiting in CPU memory.
+    waiting = list(getattr(denoiser, "waiting_models", list)())
+    away = {id(t) for m in waiting for t in [*m.parameters(), *m.buffers()]}
+    seen: set[int] = set()
+    for module in [*denoiser.modules(), *(m for w in waiting for m in w.modules())]:
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
         for p in module.parameters(recurse=False):
-            target = "cpu" if id(p) in held else device
+            target = "cpu" if id(p) in held or id(p) in away else device
             cast = dtype if p.is_floating_point() and _plain(p) else None
             p.data = p.data.to(target, dtype=cast)
         for name, b in module.named_buffers(recurse=False):
             if b is not None:
-                setattr(module, name, b.to(device))
+                setattr(module, name, b.to("cpu" if id(b) in away else device))
 
 
 def block_swap(
@@ -406,11 +413,50 @@ def block_swap(
     previous = _SWAPS.pop(bare, None)
     if previous is not None:
         previous.remove()
-    swap = BlockSwap(blocks, cfg.train.blocks_to_swap, device)
+    # A denoiser of several models run one at a time (Wan 2.2's experts, `swap_stacks`): the
+    # same last blocks of each are swapped, each stack by a swap of its own whose hooks run
+    # when its model does; the models' own moves leave the swapped weights to the swaps.
+    stacks = getattr(family, "swap_stacks", None)
+    if stacks is None or not hasattr(bare, "swapped_params"):
+        swap: BlockSwap | SwapGroup = BlockSwap(blocks, cfg.train.blocks_to_swap, device)
+    else:
+        swap = SwapGroup([BlockSwap(s, cfg.train.blocks_to_swap, device) for s in stacks(bare)])
+        bare.swapped_params = swap.stored_params()
     _SWAPS[bare] = swap
     return swap
 
 
-def attached(denoiser: nn.Module) -> BlockSwap | None:
+class SwapGroup:
+    """One `BlockSwap` per model of a denoiser of several (Wan 2.2's two experts), read as one:
+    counters summed, removed together."""
+
+    def __init__(self, swaps: list[BlockSwap]) -> None:
+        self.swaps = swaps
+        self.stored_bytes = sum(s.stored_bytes for s in swaps)
+
+    def stored_params(self) -> set[int]:
+        """The ids of the parameters whose weights the swaps keep in CPU memory."""
+        return {id(p) for s in self.swaps for i in s.swapped for p, _ in s._stored[i]}
+
+    def reset_counters(self) -> None:
+        for s in self.swaps:
+            s.reset_counters()
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in self.swaps:
+            for k, v in s.counters().items():
+                out[k] = max(out.get(k, 0), v) if k == "peak_resident" else out.get(k, 0) + v
+        return out
+
+    def resident(self) -> list[int]:
+        return sorted({i for s in self.swaps for i in s.resident()})
+
+    def remove(self) -> None:
+        for s in self.swaps:
+            s.remove()
+
+
+def attached(denoiser: nn.Module) -> BlockSwap | SwapGroup | None:
     """The swap installed on this denoiser (wrapped or not), for its counters; None if none."""
     return _SWAPS.get(_bare(denoiser))
