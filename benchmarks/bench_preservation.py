@@ -48,7 +48,8 @@ SETTINGS: dict[str, dict[str, Any]] = {
 def config(out: Path, steps: int, overrides: dict[str, Any]) -> Path:
     """The demo config with absolute paths, no validation or checkpoints, and `overrides`."""
     fields = json.loads(DEMO.read_text())
-    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    # The demo trains with output preservation: each setting here starts from the plain run.
+    fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "preservation"}
     for key in ("pretrained_model", "image_dir"):
         fields[key] = str((DEMO.parent / fields[key]).resolve())
     fields.update(

@@ -122,3 +122,14 @@ def and_more(items: list[Any], shown: int = 1, brackets: bool = True) -> str:
         return ""
     more = f"and {len(items) - shown} more"
     return f" ({more})" if brackets else f" {more}"
+
+
+def decode_caption(raw: bytes, name: str | Path, report: ScanReport) -> str:
+    """A caption file's text: UTF-8 (a BOM dropped); bytes that are not are replaced, and the
+    report notes the file."""
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        why = f"caption is not UTF-8 (byte {e.start}); undecodable bytes replaced with U+FFFD"
+        report.warnings.append((Path(name), why))
+        return raw.decode("utf-8-sig", errors="replace")

@@ -21,7 +21,7 @@ from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, probe
 from kit.data.pairs import pair_controls
 from kit.data.paths import caption_path
-from kit.data.samples import Sample, ScanReport
+from kit.data.samples import Sample, ScanReport, decode_caption
 from kit.data.sources import describe, elsewhere, owns, scan_source
 from kit.errors import DataError
 
@@ -223,13 +223,7 @@ def _read_caption(path: str, report: ScanReport) -> str:
     finally:
         os.close(fd)
     raw = b"".join(chunks) if len(chunks) > 1 else chunks[0]
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        text = raw.decode("utf-8-sig", errors="replace")
-        why = f"caption is not UTF-8 (byte {e.start}); undecodable bytes replaced with U+FFFD"
-        report.warnings.append((Path(path), why))
-    return text.strip()
+    return decode_caption(raw, path, report).strip()
 
 
 class _Captions:

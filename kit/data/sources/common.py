@@ -10,7 +10,7 @@ from pathlib import Path
 from kit.config import DataConfig
 from kit.data.blob import Blob
 from kit.data.images import BadImage, probe
-from kit.data.samples import Sample, ScanReport
+from kit.data.samples import Sample, ScanReport, decode_caption
 from kit.errors import DataError
 
 
@@ -25,12 +25,7 @@ def caption_text(raw: bytes | str | None, ext: str, name: str, report: ScanRepor
     if raw is None:
         return ""
     if isinstance(raw, bytes):
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as e:
-            text = raw.decode("utf-8-sig", errors="replace")
-            why = f"caption is not UTF-8 (byte {e.start}); undecodable bytes replaced with U+FFFD"
-            report.warnings.append((Path(name), why))
+        text = decode_caption(raw, name, report)
     else:
         text = str(raw)
     if ext != "json":
