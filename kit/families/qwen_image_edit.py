@@ -1,0 +1,460 @@
+"""Qwen-Image-Edit, -2509 and -2511: Qwen-Image's transformer trained on pairs (controls → edit).
+
+Everything but the references is Qwen-Image's (`kit.families.qwen_image`): the VAE, the σ shift
+(from the target's size alone, as the edit pipelines compute `mu`), packing, exports and the
+ComfyUI layout. Two things differ, both read from the diffusers pipelines:
+
+- The controls' latents are cached like a target's, resized to about a megapixel
+  (`calculate_dimensions(1024²)`), and per step packed into 2×2 tokens after the target's, each
+  with its own entry in `img_shapes`; the prediction is cut back to the target's tokens.
+- The prompt goes through Qwen2.5-VL WITH the control images (a vision-language prompt built by
+  the pipeline's processor), so a caption's embedding depends on its pair's controls
+  (`prompt_controls`): the text cache keys it by them, and encodes it with the controls as placed,
+  resized for the vision tower as the pipeline resizes them (Edit: the same ~1 MP image the VAE
+  gets; 2509/2511: a separate ~384² one).
+
+Which model a base is comes from its configs: `model_index.json` names QwenImageEditPipeline
+(Edit, one control) or QwenImageEditPlusPipeline (2509 and 2511, up to three); 2511's
+transformer config sets `zero_cond_t` (its references are modulated at timestep 0 inside the
+transformer: the pipeline's, and so the kit's, inputs are the same as 2509's).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+
+from kit.errors import ConfigError, DataError
+from kit.families import register, tiny
+from kit.families.base import PARTS, Components
+from kit.families.flux2 import model_index
+from kit.families.identity import part_config
+from kit.families.qwen_image import (
+    QwenImage,
+    pack_latents,
+    tiny_qwen2_tokenizer,
+    tiny_qwen25_vl,
+    transformer_inputs,
+    unpack_latents,
+)
+from kit.families.shipped import config_source
+
+EDIT = "QwenImageEditPipeline"
+PLUS = "QwenImageEditPlusPipeline"
+VAE_FACTOR = 8
+"""The VAE's downsampling; the pipelines' image processor works in multiples of 8 · 2."""
+EDIT_TEMPLATE_WORDS = (
+    "Describe the key features of the input image ( color , shape size texture objects background"
+    " ), then explain how user 's text instruction should alter or modify . Generate a new that"
+    " meets requirements while maintaining consistency with original where appropriate Picture"
+).split()
+"""The words of the edit pipelines' system prompt, as Qwen2's pre-tokenizer splits them: the
+tiny tokenizer gives each one token, as Qwen2's does, so the pipelines' fixed
+`prompt_template_encode_start_idx` (64) drops exactly that system prompt there too."""
+
+
+def control_sizes(width: int, height: int, plus: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The (width, height) the pipeline resizes a control of this size to for the VAE, and for
+    the vision-language prompt: Edit uses one ~1 MP size for both; Plus (2509, 2511) ~1 MP for
+    the VAE and ~384² for the prompt (`calculate_dimensions`, multiples of 32)."""
+    if plus:
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as p
+
+        ratio = width / height
+        return (
+            p.calculate_dimensions(p.VAE_IMAGE_SIZE, ratio),
+            p.calculate_dimensions(p.CONDITION_IMAGE_SIZE, ratio),
+        )
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    w, h, _ = calculate_dimensions(1024 * 1024, width / height)
+    return (w, h), (w, h)
+
+
+def edit_inputs(
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    prompt_embeds_mask: torch.Tensor | None,
+    controls: list[torch.Tensor],
+) -> dict[str, Any]:
+    """QwenImageTransformer2DModel's arguments as the edit pipelines build them: Qwen-Image's,
+    with each control's packed tokens after the target's and its (1, h/2, w/2) in `img_shapes`
+    after the target's."""
+    kwargs = transformer_inputs(latents, timesteps, prompt_embeds, prompt_embeds_mask)
+    b, _, h, w = latents.shape
+    controls = [c.to(latents.device, latents.dtype) for c in controls]
+    kwargs["hidden_states"] = torch.cat(
+        [kwargs["hidden_states"], *[pack_latents(c) for c in controls]], dim=1
+    )
+    shapes = [(1, h // 2, w // 2), *[(1, c.shape[-2] // 2, c.shape[-1] // 2) for c in controls]]
+    kwargs["img_shapes"] = [shapes] * b
+    return kwargs
+
+
+def image_only_processor(image_processor: Any, tokenizer: Any) -> Any:
+    """A Qwen2VLProcessor without its video part: what the edit pipelines call (text and
+    images). transformers 5 builds its video processor only with torchvision installed; where it
+    is not, this is the same processor's `__call__` on the same image processor and tokenizer."""
+    from transformers import Qwen2VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+
+def load_processor(source: str, revision: str | None = None) -> Any:
+    """The base's `processor` folder as the pipeline loads it (Qwen2VLProcessor); without
+    torchvision, the same image processor and tokenizer as an image-only processor."""
+    from transformers import Qwen2VLProcessor
+
+    try:
+        import torchvision  # noqa: F401 - only whether it is there
+    except ImportError:
+        from transformers import Qwen2Tokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        kw = {"subfolder": "processor", "revision": revision}
+        return image_only_processor(
+            Qwen2VLImageProcessorPil.from_pretrained(source, **kw),
+            Qwen2Tokenizer.from_pretrained(source, **kw),
+        )
+    return Qwen2VLProcessor.from_pretrained(source, subfolder="processor", revision=revision)
+
+
+@register
+class QwenImageEdit(QwenImage):
+    """Qwen-Image-Edit (one control), -2509 and -2511 (up to three)."""
+
+    name = "qwen_image_edit"
+    hub_id = "Qwen/Qwen-Image-Edit"
+    variants = ("Qwen-Image-Edit", "Qwen-Image-Edit-2509", "Qwen-Image-Edit-2511")
+    control_images = 3  # QwenImageEditPlusPipeline's references; Edit's one is checked on load
+    needs_control = True
+    prompt_controls = True
+    base_model_version = "qwen_image_edit"
+    modelspec_architecture = "qwen-image-edit"
+
+    def __init__(self, cfg: Any = None) -> None:
+        super().__init__(cfg)
+        o = self.cfg.objective
+        # The empty caption's embedding, and a slider's prompts, would depend on each pair's
+        # controls too; the cache holds one of each for the whole run.
+        if o.caption_dropout > 0:
+            raise ConfigError(
+                "caption_dropout: qwen_image_edit encodes each caption with its pair's control "
+                "images, so there is no one empty caption to drop to; set caption_dropout: 0"
+            )
+        if o.slider is not None:
+            raise ConfigError(
+                "slider: qwen_image_edit's prompts are encoded with each pair's controls; "
+                "a slider's prompts have none. Train a slider on qwen_image"
+            )
+        if self.cfg.model.pretrained_model and not self._plus():
+            given = max((len(v.control) for v in self.cfg.validation.validation_prompts), default=0)
+            for ds in [self.cfg.data, *self.cfg.data.datasets]:
+                given = max(given, len(getattr(ds, "control_dir", None) or ()))
+            if given > 1:
+                raise ConfigError(
+                    f"control_dir: Qwen-Image-Edit (QwenImageEditPipeline) takes one control "
+                    f"image per target, {given} are given; 2509 and 2511 take up to three"
+                )
+
+    # ------------------------------------------------------------ which model
+
+    def _plus(self, pretrained: str | None = None) -> bool:
+        pretrained = pretrained or self.cfg.model.pretrained_model or self.hub_id
+        found = model_index(self.model_source(pretrained), self.cfg.model.revision)
+        return found.get("_class_name") == PLUS
+
+    @property
+    def pipeline_class(self) -> str:  # type: ignore[override]
+        """QwenImageEditPipeline for Edit, QwenImageEditPlusPipeline for 2509 and 2511."""
+        return PLUS if self._plus() else EDIT
+
+    def variant_of(self, pretrained: str) -> str:
+        if not self._plus(pretrained):
+            return "Qwen-Image-Edit"
+        # 2511's transformer modulates the references at timestep 0 (`zero_cond_t`).
+        config = part_config(config_source(self.model_source(pretrained)), "transformer")
+        return "Qwen-Image-Edit-2511" if config.get("zero_cond_t") else "Qwen-Image-Edit-2509"
+
+    def version_metadata(self) -> dict[str, str]:
+        variant = self.variant_of(self.cfg.model.pretrained_model or self.hub_id)
+        return {**super().version_metadata(), "modelspec.architecture": variant.lower()}
+
+    # ------------------------------------------------------------ loading
+
+    def identity_extras(self, pretrained, revision):
+        # The processor's image settings shape the vision-language prompt, so its embeddings.
+        path = Path(config_source(pretrained)) / "processor" / "preprocessor_config.json"
+        settings = path.read_text(encoding="utf-8") if path.is_file() else ""
+        return [super().identity_extras(pretrained, revision), settings]
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
+        comps = super().load(
+            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
+        )
+        # The pipeline's processor stands for the tokenizer: it holds it, and the images.
+        comps.tokenizers = [load_processor(self.model_source(pretrained), revision)]
+        return comps
+
+    # ------------------------------------------------------------ encoding
+
+    def encode_text(self, comps, captions, controls=None):
+        """With `controls` (per caption, its pair's control images as placed): the edit
+        pipeline's `encode_prompt` of the caption with those images, one caption at a time (the
+        Plus pipeline takes one prompt per call), padded with a zero mask to the caption
+        allowance plus the images' tokens (equal for the pairs of one batch, whose controls
+        resize alike). Without: Qwen-Image's text-only encoding (a prompt with no control is
+        drawn through QwenImagePipeline, see `sample`)."""
+        if controls is None:
+            return super().encode_text(comps, captions)
+        plus = self._plus()
+        pipe = self._edit_text_pipeline(comps, plus)
+        device = pipe.text_encoder.device
+        embeds, masks = [], []
+        for caption, images in zip(captions, controls, strict=True):
+            prompt_images = [self.prompt_image(im, plus) for im in images]
+            image = prompt_images if plus else prompt_images[0]
+            e, m = pipe.encode_prompt(caption, image=image, device=device)
+            grid = pipe.processor.image_processor(images=prompt_images)["image_grid_thw"]
+            merge = pipe.processor.image_processor.merge_size**2
+            length = self.max_sequence_length() + int(sum(int(g.prod()) // merge for g in grid))
+            if e.shape[1] > length:
+                raise DataError(
+                    f"the caption {caption!r} takes more than the {self.max_sequence_length()} "
+                    "text tokens of max_sequence_length beside its images; shorten it or raise "
+                    "max_sequence_length"
+                )
+            m = torch.ones(e.shape[:2], dtype=torch.long, device=e.device) if m is None else m
+            pad = length - e.shape[1]
+            embeds.append(torch.nn.functional.pad(e, (0, 0, 0, pad)))
+            masks.append(torch.nn.functional.pad(m, (0, pad)))
+        return {"prompt_embeds": torch.cat(embeds), "prompt_embeds_mask": torch.cat(masks)}
+
+    def prompt_image(self, image: Image.Image, plus: bool | None = None) -> Image.Image:
+        """A control as the pipeline hands it to the vision-language prompt."""
+        from diffusers.image_processor import VaeImageProcessor
+
+        plus = self._plus() if plus is None else plus
+        _, (width, height) = control_sizes(image.width, image.height, plus)
+        return VaeImageProcessor(vae_scale_factor=VAE_FACTOR * 2).resize(image, height, width)
+
+    def control_size(self, width, height):
+        return control_sizes(width, height, self._plus())[0]
+
+    def control_pixels(self, image: Image.Image) -> torch.Tensor:
+        from diffusers.image_processor import VaeImageProcessor
+
+        # The pipelines' own processor (the VAE's factor × 2) and calls: Edit resizes, then
+        # preprocesses the resized image; Plus preprocesses the image it was given.
+        processor = VaeImageProcessor(vae_scale_factor=VAE_FACTOR * 2)
+        plus = self._plus()
+        (width, height), _ = control_sizes(image.width, image.height, plus)
+        if not plus:
+            image = processor.resize(image, height, width)
+        return processor.preprocess(image, height, width)[0]
+
+    # ------------------------------------------------------------ training
+
+    def predict(self, comps, noisy, timesteps, cond):
+        keys = (f"control_latents_{r}" for r in range(self.control_images))
+        controls = [cond[k] for k in keys if k in cond]
+        kwargs = edit_inputs(
+            noisy, timesteps, cond["prompt_embeds"], cond["prompt_embeds_mask"], controls
+        )
+        out = comps.denoiser(**kwargs, return_dict=False)[0]
+        h, w = noisy.shape[-2:]
+        # The pipeline keeps the target's tokens of the prediction: the controls' come after.
+        return unpack_latents(out[:, : (h // 2) * (w // 2)], h, w)
+
+    # ------------------------------------------------------------ sampling
+
+    def pipeline(self, comps):
+        import diffusers
+
+        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
+        return getattr(diffusers, self.pipeline_class)(
+            scheduler=scheduler,
+            vae=comps.vae,
+            text_encoder=comps.text_encoders[0],
+            tokenizer=comps.tokenizers[0].tokenizer,
+            processor=comps.tokenizers[0],
+            transformer=comps.denoiser,
+        )
+
+    def call_kwargs(self, spec):
+        if not spec.control:
+            return super().call_kwargs(spec)  # QwenImagePipeline's call: see `sample`
+        kwargs: dict[str, Any] = {
+            "prompt": spec.prompt,
+            # The files, so the sidecar can record them; `sample` opens them for the pipeline.
+            "image": list(spec.control),
+            "negative_prompt": spec.negative_prompt or " ",
+            "true_cfg_scale": spec.guidance_scale,
+            "num_inference_steps": spec.num_inference_steps,
+            "width": spec.width,
+            "height": spec.height,
+        }
+        if spec.adapter_scale != 1.0:
+            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        return kwargs
+
+    def sample(self, pipe, spec):
+        """An edit through the edit pipeline; a prompt without controls through QwenImagePipeline
+        on the same parts (the edit pipelines refuse to draw without an image)."""
+        from diffusers import QwenImagePipeline
+
+        kwargs = self.call_kwargs(spec)
+        if "image" in kwargs:
+            images = [Image.open(f).convert("RGB") for f in kwargs["image"]]
+            plus = isinstance(getattr(pipe, "wrapped", pipe), _plus_pipeline())
+            kwargs["image"] = images if plus else images[0]
+        else:
+            text_pipe = getattr(pipe, "wrapped", pipe)
+            plain = QwenImagePipeline(
+                scheduler=text_pipe.scheduler,
+                vae=text_pipe.vae,
+                text_encoder=text_pipe.text_encoder,
+                tokenizer=text_pipe.tokenizer,
+                transformer=text_pipe.transformer,
+            )
+            if text_pipe is not pipe:  # drawn from cached embeddings: the same wrapper
+                plain = type(pipe)(plain, pipe._text_of, self)
+            pipe = plain
+        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+        with torch.no_grad():
+            return [pipe(**kwargs, generator=generator).images[0]]
+
+    # ------------------------------------------------------------ memory estimate
+
+    def denoiser_inputs(self, parts, batch, height, width):
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        transformer = parts["denoiser"]
+        config = transformer.config
+        meta = {"device": "meta"}
+        f = VAE_FACTOR
+        latents = torch.zeros(batch, config.in_channels // 4, height // f, width // f, **meta)
+        plus = self._plus()
+        (cw, ch), (pw, ph) = control_sizes(width, height, plus)
+        n = 3 if plus else 1  # the most references the pipeline takes
+        control = torch.zeros(batch, config.in_channels // 4, ch // f, cw // f, **meta)
+        # The vision tower's tokens of each control (14-pixel patches merged 2×2).
+        rh, rw = smart_resize(ph, pw, factor=28, min_pixels=3136, max_pixels=12845056)
+        seq = self.max_sequence_length() + n * (rh // 28) * (rw // 28)
+        kwargs = edit_inputs(
+            latents,
+            torch.zeros(batch, **meta),
+            torch.zeros(batch, seq, config.joint_attention_dim, **meta),
+            None,
+            [control] * n,
+        )
+        return (kwargs.pop("hidden_states"),), kwargs
+
+    # ------------------------------------------------------------ tiny copy
+
+    def make_tiny(self, out_dir, seed=0, plus: bool = False, zero_cond_t: bool = False):
+        """Qwen-Image's tiny parts, a tiny vision tower in the text encoder and the processor
+        the edit pipelines call: Edit's by default, 2509's with `plus`, 2511's with both."""
+        import diffusers
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImageTransformer2DModel,
+        )
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen2_tokenizer(tuple(EDIT_TEMPLATE_WORDS))
+        text_encoder = tiny_qwen25_vl(tokenizer)
+        # The release's image settings (14-pixel patches, merged 2×2; the pixel bounds).
+        image_processor = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)
+        processor = image_only_processor(image_processor, tokenizer)
+        vae = AutoencoderKLQwenImage(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        )
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            axes_dims_rope=(4, 6, 6),
+            zero_cond_t=zero_cond_t,
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            FlowMatchEulerDiscreteScheduler.load_config(
+                config_source(self.hub_id), subfolder="scheduler"
+            )
+        )
+        pipe = getattr(diffusers, PLUS if plus else EDIT)(
+            scheduler=scheduler,
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            processor=processor,
+            transformer=transformer,
+        )
+        out = tiny.save_pipeline(pipe, out_dir)
+        # Saved as the release names it, so that transformers (with torchvision) loads it.
+        config = Path(out) / "processor" / "processor_config.json"
+        if config.is_file():
+            data = json.loads(config.read_text(encoding="utf-8"))
+            data["processor_class"] = "Qwen2VLProcessor"
+            config.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        index = Path(out) / "model_index.json"
+        data = json.loads(index.read_text(encoding="utf-8"))
+        data["processor"] = ["transformers", "Qwen2VLProcessor"]
+        index.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        return out
+
+    # ------------------------------------------------------------ helpers
+
+    def _text_pipeline(self, comps: Components) -> Any:
+        # Qwen-Image's text-only encoding takes the tokenizer the processor holds.
+        from dataclasses import replace
+
+        return super()._text_pipeline(replace(comps, tokenizers=[comps.tokenizers[0].tokenizer]))
+
+    def _edit_text_pipeline(self, comps: Components, plus: bool) -> Any:
+        """An edit pipeline holding only the text parts (enough for `encode_prompt`)."""
+        import diffusers
+
+        return getattr(diffusers, PLUS if plus else EDIT)(
+            scheduler=None,
+            vae=None,
+            text_encoder=comps.text_encoders[0],
+            tokenizer=comps.tokenizers[0].tokenizer,
+            processor=comps.tokenizers[0],
+            transformer=None,
+        )
+
+
+def _plus_pipeline() -> type:
+    from diffusers import QwenImageEditPlusPipeline
+
+    return QwenImageEditPlusPipeline
