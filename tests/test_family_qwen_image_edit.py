@@ -15,7 +15,12 @@ from PIL import Image
 from kit.config import from_dict
 from kit.data.cache import fill_cache, plan_cache
 from kit.families import get_family
-from kit.families.qwen_image_edit import control_sizes, load_processor
+from kit.families.qwen_image_edit import (
+    IMAGE_ONLY_MODULE,
+    control_sizes,
+    has_torchvision,
+    load_processor,
+)
 
 NAME = "qwen_image_edit"
 CAPTION = "make it red"
@@ -81,7 +86,14 @@ def test_variant_is_read_from_the_configs(tiny_edit, tiny_plus):
     assert family.variant_of("Qwen/Qwen-Image-Edit-2511") == "Qwen-Image-Edit-2511"
     index = json.loads((tiny_edit / "model_index.json").read_text())
     assert index["_class_name"] == "QwenImageEditPipeline"
-    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    # The processor the release names, where transformers can build it (torchvision installed);
+    # else the same processor's image-only form, as a custom component in its folder.
+    named = (
+        ["transformers", "Qwen2VLProcessor"]
+        if has_torchvision()
+        else [IMAGE_ONLY_MODULE, "ImageOnlyQwen2VLProcessor"]
+    )
+    assert index["processor"] == named
     # The tiny tokenizer drops exactly the system prompt at the pipelines' fixed index.
     tokenizer = load_processor(str(tiny_edit)).tokenizer
     from diffusers import QwenImageEditPipeline
@@ -228,7 +240,7 @@ def test_validation_grid_draws_the_edit_with_its_encoder(tiny_edit, tmp_path):
     assert [k["hidden_states"].shape[1] for k in seen] == [16 + 64 * 64] * 4
     assert Image.open(grid).width == 2 * 64  # control, then result
     sidecar = json.loads(next((tmp_path / "g").glob("*.json")).read_text())
-    assert sidecar["call_kwargs"]["image"] == [str(controls[0])]
+    assert sidecar["call_kwargs"]["image"] == str(controls[0])
 
 
 def test_exports_load_through_the_edit_pipeline(tiny_edit, tmp_path):
@@ -254,15 +266,13 @@ def test_exports_load_through_the_edit_pipeline(tiny_edit, tmp_path):
     }
     adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
     family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path / "d")
-    # Without torchvision transformers cannot build Qwen2VLProcessor itself: the kit's is given.
-    processor = load_processor(str(tiny_edit))
-    pipe = QwenImageEditPipeline.from_pretrained(str(tiny_edit), processor=processor)
+    pipe = QwenImageEditPipeline.from_pretrained(str(tiny_edit), **family.pipeline_kwargs)
     pipe.load_lora_weights(str(tmp_path / "d"))
     loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
     assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
 
     save_file(family.kohya_state_dict(state, 4.0), str(tmp_path / "comfy.safetensors"))
-    other = QwenImageEditPipeline.from_pretrained(str(tiny_edit), processor=processor)
+    other = QwenImageEditPipeline.from_pretrained(str(tiny_edit), **family.pipeline_kwargs)
     base = {k: v.clone() for k, v in other.transformer.state_dict().items()}
     other.load_lora_weights(str(tmp_path / "comfy.safetensors"))
     other.fuse_lora()
@@ -275,3 +285,19 @@ def test_exports_load_through_the_edit_pipeline(tiny_edit, tmp_path):
         assert torch.allclose(got[f"{m}.weight"], base[f"{m}.weight"] + update, atol=1e-5), m
     rest = set(base) - {f"{m}.weight" for m in modules}
     assert all(torch.equal(got[k], base[k]) for k in rest)
+
+
+def test_plain_validation_prompts_draw_on_the_first_pair(tiny_edit, tmp_path):
+    """The prompt is read with its controls: a configured prompt without any is drawn on the
+    first training pair's controls (Kontext draws it as text to image, as its pipeline can)."""
+    from kit.data.scan import scan
+    from kit.sample.validate import pair_prompts
+
+    controls = _pairs(tmp_path)
+    cfg = _config(tmp_path, tiny_edit, 1, validation_prompt=["make it blue"])
+    family = get_family(NAME, cfg)
+    entries = pair_prompts(cfg, family, scan(cfg.data, family).samples)
+    assert [(e.prompt, e.control) for e in entries] == [("make it blue", [str(controls[0])])]
+    kontext = cfg.replace(model_family="flux_kontext", pretrained_model="")
+    other = get_family("flux_kontext", kontext)
+    assert not pair_prompts(kontext, other, scan(kontext.data, other).samples)

@@ -21,6 +21,7 @@ transformer: the pipeline's, and so the kit's, inputs are the same as 2509's).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -96,42 +97,65 @@ def edit_inputs(
     return kwargs
 
 
-def image_only_processor(image_processor: Any, tokenizer: Any) -> Any:
-    """A Qwen2VLProcessor without its video part: what the edit pipelines call (text and
-    images). transformers 5 builds its video processor only with torchvision installed; where it
-    is not, this is the same processor's `__call__` on the same image processor and tokenizer."""
-    from transformers import Qwen2VLProcessor
-    from transformers.processing_utils import ProcessorMixin
+def has_torchvision() -> bool:
+    """Whether transformers can build Qwen2VLProcessor (its video part needs torchvision)."""
+    import importlib.util
 
-    class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-            self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-            self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+    return importlib.util.find_spec("torchvision") is not None
 
-    return ImageOnlyQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+
+IMAGE_ONLY_MODULE = "image_only_qwen2vl_processor"
+"""Where a tiny base made without torchvision keeps `IMAGE_ONLY_SOURCE`: its processor folder,
+as diffusers loads a custom component (`from_pretrained(..., trust_remote_code=True)`)."""
+IMAGE_ONLY_SOURCE = '''"""Qwen2VLProcessor without its video part, written by the kit's tiny Qwen-Image-Edit.
+
+transformers 5 builds Qwen2VLProcessor's video processor only with torchvision installed; the
+edit pipelines call the processor on text and images alone, which this does exactly as
+Qwen2VLProcessor does, on the same image processor and tokenizer.
+"""
+
+from transformers import Qwen2VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+
+class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+'''
+
+
+@functools.cache
+def image_only_processor_class() -> type:
+    """`ImageOnlyQwen2VLProcessor` (`IMAGE_ONLY_SOURCE`): the processor where torchvision,
+    which transformers needs to build Qwen2VLProcessor, is not installed."""
+    namespace: dict[str, Any] = {"__name__": __name__}
+    exec(compile(IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, "exec"), namespace)  # noqa: S102
+    return namespace["ImageOnlyQwen2VLProcessor"]
+
+
+def __getattr__(name: str) -> Any:
+    # Built on first use (it imports transformers). A pipeline the kit saves names it as a
+    # component of this module; diffusers then finds how to load it by the loadable base
+    # classes this "library" holds.
+    if name == "ImageOnlyQwen2VLProcessor":
+        return image_only_processor_class()
+    if name == "ProcessorMixin":
+        from transformers.processing_utils import ProcessorMixin
+
+        return ProcessorMixin
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_processor(source: str, revision: str | None = None) -> Any:
     """The base's `processor` folder as the pipeline loads it (Qwen2VLProcessor); without
-    torchvision, the same image processor and tokenizer as an image-only processor."""
+    torchvision, its image processor and tokenizer as `ImageOnlyQwen2VLProcessor`."""
     from transformers import Qwen2VLProcessor
 
-    try:
-        import torchvision  # noqa: F401 - only whether it is there
-    except ImportError:
-        from transformers import Qwen2Tokenizer
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
-        kw = {"subfolder": "processor", "revision": revision}
-        return image_only_processor(
-            Qwen2VLImageProcessorPil.from_pretrained(source, **kw),
-            Qwen2Tokenizer.from_pretrained(source, **kw),
-        )
-    return Qwen2VLProcessor.from_pretrained(source, subfolder="processor", revision=revision)
+    cls = Qwen2VLProcessor if has_torchvision() else image_only_processor_class()
+    return cls.from_pretrained(source, subfolder="processor", revision=revision)
 
 
 @register
@@ -145,14 +169,23 @@ class QwenImageEdit(QwenImage):
     needs_control = True
     prompt_controls = True
     base_model_version = "qwen_image_edit"
+
+    @property
+    def pipeline_kwargs(self) -> dict[str, Any]:  # type: ignore[override]
+        """`from_pretrained` arguments: without torchvision, a tiny base's processor is a
+        custom component (`make_tiny`), which diffusers loads only when told to trust it."""
+        return {} if has_torchvision() else {"trust_remote_code": True}
+
     modelspec_architecture = "qwen-image-edit"
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
+        self._processors: dict[str, Any] = {}
         o = self.cfg.objective
         # The empty caption's embedding, and a slider's prompts, would depend on each pair's
         # controls too; the cache holds one of each for the whole run.
-        if o.caption_dropout > 0:
+        # (Textual inversion, whose configs drop captions, is refused by name for Qwen2.5-VL.)
+        if o.caption_dropout > 0 and self.cfg.network.network_type != "textual_inversion":
             raise ConfigError(
                 "caption_dropout: qwen_image_edit encodes each caption with its pair's control "
                 "images, so there is no one empty caption to drop to; set caption_dropout: 0"
@@ -209,9 +242,15 @@ class QwenImageEdit(QwenImage):
         comps = super().load(
             pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
         )
-        # The pipeline's processor stands for the tokenizer: it holds it, and the images.
-        comps.tokenizers = [load_processor(self.model_source(pretrained), revision)]
+        # The pipeline's processor (its tokenizer and image processor), kept by the source.
+        self._processors[comps.source] = load_processor(comps.source, revision)
         return comps
+
+    def processor(self, comps: Components) -> Any:
+        """The processor of the base `comps` were loaded from (Qwen2VLProcessor)."""
+        if comps.source not in self._processors:
+            self._processors[comps.source] = load_processor(comps.source)
+        return self._processors[comps.source]
 
     # ------------------------------------------------------------ encoding
 
@@ -221,7 +260,7 @@ class QwenImageEdit(QwenImage):
         Plus pipeline takes one prompt per call), padded with a zero mask to the caption
         allowance plus the images' tokens (equal for the pairs of one batch, whose controls
         resize alike). Without: Qwen-Image's text-only encoding (a prompt with no control is
-        drawn through QwenImagePipeline, see `sample`)."""
+        drawn through QwenImagePipeline, see `edit_pipeline_class`)."""
         if controls is None:
             return super().encode_text(comps, captions)
         plus = self._plus()
@@ -286,25 +325,24 @@ class QwenImageEdit(QwenImage):
     # ------------------------------------------------------------ sampling
 
     def pipeline(self, comps):
-        import diffusers
-
         scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return getattr(diffusers, self.pipeline_class)(
+        return edit_pipeline_class(self._plus())(
             scheduler=scheduler,
             vae=comps.vae,
             text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0].tokenizer,
-            processor=comps.tokenizers[0],
+            tokenizer=comps.tokenizers[0],
+            processor=self.processor(comps),
             transformer=comps.denoiser,
         )
 
     def call_kwargs(self, spec):
         if not spec.control:
-            return super().call_kwargs(spec)  # QwenImagePipeline's call: see `sample`
+            return super().call_kwargs(spec)  # QwenImagePipeline's (`edit_pipeline_class`)
         kwargs: dict[str, Any] = {
             "prompt": spec.prompt,
-            # The files, so the sidecar can record them; `sample` opens them for the pipeline.
-            "image": list(spec.control),
+            # The files, so the sidecar can record them; `sample` opens them for the pipeline
+            # (Edit takes one image, Plus a list).
+            "image": list(spec.control) if self._plus() else spec.control[0],
             "negative_prompt": spec.negative_prompt or " ",
             "true_cfg_scale": spec.guidance_scale,
             "num_inference_steps": spec.num_inference_steps,
@@ -316,27 +354,11 @@ class QwenImageEdit(QwenImage):
         return kwargs
 
     def sample(self, pipe, spec):
-        """An edit through the edit pipeline; a prompt without controls through QwenImagePipeline
-        on the same parts (the edit pipelines refuse to draw without an image)."""
-        from diffusers import QwenImagePipeline
-
         kwargs = self.call_kwargs(spec)
-        if "image" in kwargs:
-            images = [Image.open(f).convert("RGB") for f in kwargs["image"]]
-            plus = isinstance(getattr(pipe, "wrapped", pipe), _plus_pipeline())
-            kwargs["image"] = images if plus else images[0]
-        else:
-            text_pipe = getattr(pipe, "wrapped", pipe)
-            plain = QwenImagePipeline(
-                scheduler=text_pipe.scheduler,
-                vae=text_pipe.vae,
-                text_encoder=text_pipe.text_encoder,
-                tokenizer=text_pipe.tokenizer,
-                transformer=text_pipe.transformer,
-            )
-            if text_pipe is not pipe:  # drawn from cached embeddings: the same wrapper
-                plain = type(pipe)(plain, pipe._text_of, self)
-            pipe = plain
+        if isinstance(kwargs.get("image"), list):
+            kwargs["image"] = [Image.open(f).convert("RGB") for f in kwargs["image"]]
+        elif "image" in kwargs:
+            kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
             return [pipe(**kwargs, generator=generator).images[0]]
@@ -387,7 +409,8 @@ class QwenImageEdit(QwenImage):
         text_encoder = tiny_qwen25_vl(tokenizer)
         # The release's image settings (14-pixel patches, merged 2×2; the pixel bounds).
         image_processor = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)
-        processor = image_only_processor(image_processor, tokenizer)
+        cls = image_only_processor_class()
+        processor = cls(image_processor=image_processor, tokenizer=tokenizer)
         vae = AutoencoderKLQwenImage(
             base_dim=3,
             z_dim=16,
@@ -420,25 +443,26 @@ class QwenImageEdit(QwenImage):
             transformer=transformer,
         )
         out = tiny.save_pipeline(pipe, out_dir)
-        # Saved as the release names it, so that transformers (with torchvision) loads it.
-        config = Path(out) / "processor" / "processor_config.json"
-        if config.is_file():
+        index = Path(out) / "model_index.json"
+        if not has_torchvision():
+            # diffusers' own form of a custom component: its code in the component's folder,
+            # loaded with `trust_remote_code` (`pipeline_kwargs`), no kit needed.
+            (Path(out) / "processor" / f"{IMAGE_ONLY_MODULE}.py").write_text(IMAGE_ONLY_SOURCE)
+            data = json.loads(index.read_text(encoding="utf-8"))
+            data["processor"] = [IMAGE_ONLY_MODULE, "ImageOnlyQwen2VLProcessor"]
+            index.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        else:
+            # Named as the release names it: transformers builds it (see `load_processor`).
+            config = Path(out) / "processor" / "processor_config.json"
             data = json.loads(config.read_text(encoding="utf-8"))
             data["processor_class"] = "Qwen2VLProcessor"
             config.write_text(json.dumps(data, indent=2), encoding="utf-8")
-        index = Path(out) / "model_index.json"
-        data = json.loads(index.read_text(encoding="utf-8"))
-        data["processor"] = ["transformers", "Qwen2VLProcessor"]
-        index.write_text(json.dumps(data, indent=2), encoding="utf-8")
+            data = json.loads(index.read_text(encoding="utf-8"))
+            data["processor"] = ["transformers", "Qwen2VLProcessor"]
+            index.write_text(json.dumps(data, indent=2), encoding="utf-8")
         return out
 
     # ------------------------------------------------------------ helpers
-
-    def _text_pipeline(self, comps: Components) -> Any:
-        # Qwen-Image's text-only encoding takes the tokenizer the processor holds.
-        from dataclasses import replace
-
-        return super()._text_pipeline(replace(comps, tokenizers=[comps.tokenizers[0].tokenizer]))
 
     def _edit_text_pipeline(self, comps: Components, plus: bool) -> Any:
         """An edit pipeline holding only the text parts (enough for `encode_prompt`)."""
@@ -448,13 +472,34 @@ class QwenImageEdit(QwenImage):
             scheduler=None,
             vae=None,
             text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0].tokenizer,
-            processor=comps.tokenizers[0],
+            tokenizer=comps.tokenizers[0],
+            processor=self.processor(comps),
             transformer=None,
         )
 
 
-def _plus_pipeline() -> type:
-    from diffusers import QwenImageEditPlusPipeline
+@functools.cache
+def edit_pipeline_class(plus: bool) -> type:
+    """The edit pipeline, drawing a prompt given no image through QwenImagePipeline on the same
+    parts (text to image: the diffusers edit pipelines need an image, and a validation prompt
+    may have none); with an image, the diffusers pipeline's own call, unchanged."""
+    import diffusers
 
-    return QwenImageEditPlusPipeline
+    base = getattr(diffusers, PLUS if plus else EDIT)
+
+    class EditPipeline(base):  # type: ignore[misc, valid-type]
+        @functools.wraps(base.__call__)
+        def __call__(self, *args: Any, image: Any = None, **kwargs: Any) -> Any:
+            if image is not None:
+                return super().__call__(*args, image=image, **kwargs)
+            plain = diffusers.QwenImagePipeline(
+                scheduler=self.scheduler,
+                vae=self.vae,
+                text_encoder=self.text_encoder,
+                tokenizer=self.tokenizer,
+                transformer=self.transformer,
+            )
+            return plain(*args, **kwargs)
+
+    EditPipeline.__name__ = EditPipeline.__qualname__ = base.__name__
+    return EditPipeline

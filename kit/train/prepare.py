@@ -114,10 +114,12 @@ def prepare(
         scanned=scanned,
     )
     holdout = _holdout(cfg, identity, text_dtype, family)
-    # An edit model with no validation prompt draws its first training pairs: control → result.
+    # An edit model with no validation prompt draws its first training pairs: control → result
+    # (one whose prompts are read with their controls, its prompts on the first pair's).
     edits = pair_prompts(cfg, family, data.kept())
     if edits:
-        cfg = replace(cfg, validation=replace(cfg.validation, validation_prompts=edits))
+        v = replace(cfg.validation, validation_prompts=edits, validation_prompt=[])
+        cfg = replace(cfg, validation=v)
     # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
     taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
     prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
