@@ -179,8 +179,9 @@ class QwenImageEdit(QwenImage):
     modelspec_architecture = "qwen-image-edit"
 
     def __init__(self, cfg: Any = None) -> None:
-        super().__init__(cfg)
         self._processors: dict[str, Any] = {}
+        self._classes: dict[str, str] = {}  # base → its pipeline class, read once
+        super().__init__(cfg)
         o = self.cfg.objective
         # The empty caption's embedding, and a slider's prompts, would depend on each pair's
         # controls too; the cache holds one of each for the whole run.
@@ -209,8 +210,10 @@ class QwenImageEdit(QwenImage):
 
     def _plus(self, pretrained: str | None = None) -> bool:
         pretrained = pretrained or self.cfg.model.pretrained_model or self.hub_id
-        found = model_index(self.model_source(pretrained), self.cfg.model.revision)
-        return found.get("_class_name") == PLUS
+        if pretrained not in self._classes:
+            found = model_index(self.model_source(pretrained), self.cfg.model.revision)
+            self._classes[pretrained] = found.get("_class_name", EDIT)
+        return self._classes[pretrained] == PLUS
 
     @property
     def pipeline_class(self) -> str:  # type: ignore[override]
