@@ -197,14 +197,18 @@ class QwenImageEdit(QwenImage):
                 "a slider's prompts have none. Train a slider on qwen_image"
             )
         if self.cfg.model.pretrained_model and not self._plus():
-            given = max((len(v.control) for v in self.cfg.validation.validation_prompts), default=0)
-            for ds in [self.cfg.data, *self.cfg.data.datasets]:
-                given = max(given, len(getattr(ds, "control_dir", None) or ()))
+            asked = [len(v.control) for v in self.cfg.validation.validation_prompts]
+            given = max([*asked, self._configured_controls()])
             if given > 1:
                 raise ConfigError(
                     f"control_dir: Qwen-Image-Edit (QwenImageEditPipeline) takes one control "
                     f"image per target, {given} are given; 2509 and 2511 take up to three"
                 )
+
+    def _configured_controls(self) -> int:
+        """The most control folders a dataset of the config pairs its targets with."""
+        data = self.cfg.data
+        return max(len(getattr(d, "control_dir", None) or ()) for d in [data, *data.datasets])
 
     # ------------------------------------------------------------ which model
 
@@ -378,7 +382,8 @@ class QwenImageEdit(QwenImage):
         latents = torch.zeros(batch, config.in_channels // 4, height // f, width // f, **meta)
         plus = self._plus()
         (cw, ch), (pw, ph) = control_sizes(width, height, plus)
-        n = 3 if plus else 1  # the most references the pipeline takes
+        # The references the config pairs its targets with (one when it names none).
+        n = max(self._configured_controls(), 1)
         control = torch.zeros(batch, config.in_channels // 4, ch // f, cw // f, **meta)
         # The vision tower's tokens of each control (14-pixel patches merged 2×2).
         rh, rw = smart_resize(ph, pw, factor=28, min_pixels=3136, max_pixels=12845056)
