@@ -301,3 +301,23 @@ def test_plain_validation_prompts_draw_on_the_first_pair(tiny_edit, tmp_path):
     kontext = cfg.replace(model_family="flux_kontext", pretrained_model="")
     other = get_family("flux_kontext", kontext)
     assert not pair_prompts(kontext, other, scan(kontext.data, other).samples)
+
+
+def test_a_2511_single_file_carries_comfyuis_marker(tiny_plus, tmp_path):
+    """ComfyUI tells 2511 from 2509 by an empty `__index_timestep_zero__` entry: the merged
+    transformer file carries it, and diffusers' `from_single_file` reads the file back."""
+    from safetensors.torch import save_file
+
+    from kit.families.qwen_image_edit import ZERO_MARKER
+
+    family = get_family(NAME, from_dict({"model_family": NAME, "pretrained_model": str(tiny_plus)}))
+    comps = family.load(str(tiny_plus))
+    state = family.single_file_state_dict(comps)
+    assert state[ZERO_MARKER].numel() == 0
+    assert f"diffusion_model.{ZERO_MARKER}" in family.client_models(comps)["ComfyUI"][0]
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "t.safetensors"))
+    pipe = family.single_file_pipeline(tmp_path / "t.safetensors", tiny_plus)
+    assert type(pipe).__name__ == "QwenImageEditPlusPipeline"
+    assert pipe.transformer.config.zero_cond_t
+    got = pipe.transformer.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in comps.denoiser.state_dict().items())

@@ -235,6 +235,23 @@ class QwenImageEdit(QwenImage):
         variant = self.variant_of(self.cfg.model.pretrained_model or self.hub_id)
         return {**super().version_metadata(), "modelspec.architecture": variant.lower()}
 
+    # ------------------------------------------------------------ exports
+
+    def client_models(self, comps):
+        models = super().client_models(comps)
+        if _index_timestep_zero(comps):
+            model, extra = models["ComfyUI"]
+            models["ComfyUI"] = ({**model, f"diffusion_model.{ZERO_MARKER}": torch.empty(0)}, extra)
+        return models
+
+    def single_file_state_dict(self, comps):
+        state = super().single_file_state_dict(comps)
+        if _index_timestep_zero(comps):
+            # ComfyUI tells 2511 by this empty entry (its `index_timestep_zero` reference
+            # method, diffusers' `zero_cond_t`); diffusers' `from_single_file` skips it.
+            state[ZERO_MARKER] = torch.empty(0)
+        return state
+
     # ------------------------------------------------------------ loading
 
     def identity_extras(self, pretrained, revision):
@@ -484,6 +501,17 @@ class QwenImageEdit(QwenImage):
             processor=self.processor(comps),
             transformer=None,
         )
+
+
+ZERO_MARKER = "__index_timestep_zero__"
+"""The entry of ComfyUI's Qwen-Image model for 2511 (`comfy/ldm/qwen_image/model.py` registers
+it when its reference method is `index_timestep_zero`; ComfyUI's 2511 files carry it)."""
+
+
+def _index_timestep_zero(comps: Components) -> bool:
+    """Whether the transformer modulates its references at timestep 0 (2511)."""
+    transformer = getattr(comps.denoiser, "module", comps.denoiser)
+    return bool(transformer.config.get("zero_cond_t", False))
 
 
 @functools.cache
