@@ -96,6 +96,9 @@ class CachedDataset:
     control_files: list[list[Path]] = field(default_factory=list)
     """Edit models: per sample, the latent entry of each of its control images; empty
     without `control_dir`."""
+    text_controls: dict[Path, tuple[Sample, Any]] = field(default_factory=dict)
+    """A family whose prompts depend on the controls (`Family.prompt_controls`): each text entry
+    encoded with a pair's controls → that sample and its placement; empty otherwise."""
 
     def kept(self) -> list[Sample]:
         """The samples trained on, once each (a mirrored twin is the same sample)."""
@@ -273,7 +276,27 @@ def plan_cache(
 
     text_file = functools.partial(_text_path, text_dir, str(dtype))
 
-    variant_files = [[text_file(t) for t in ts] for ts in texts]
+    # A family whose text encoder also sees the controls (Qwen-Image-Edit's vision-language
+    # prompt) keys a sample's texts by its controls as well: their bytes and the target's
+    # placement (a mirrored twin's controls are mirrored), so an edited control misses them too.
+    prompt_keys = [
+        ("controls", *(file_digest(c) for c in s.controls), p.record()) if s.controls else ()
+        for s, p in zip(samples, plan.placements, strict=True)
+    ]
+    if not getattr(family, "prompt_controls", False):
+        prompt_keys = [()] * len(samples)
+    variant_files = [
+        [text_file(t, *k) for t in ts] for ts, k in zip(texts, prompt_keys, strict=True)
+    ]
+    preserve_files = [
+        [text_file(t, *k) for t in ts] for ts, k in zip(kept, prompt_keys[: len(kept)], strict=True)
+    ]
+    text_controls = {
+        f: (samples[i % len(samples)], plan.placements[i % len(samples)])
+        for i, fs in enumerate([*variant_files, *preserve_files])
+        for f in fs
+        if prompt_keys[i % len(samples)]
+    }
     # A control is keyed like its target: its bytes, the target's placement (its crop and mirror
     # are the control's) and the family whose pipeline rule resizes it; an edited control misses
     # its own entry only. Never a posterior sample: the pipelines encode controls to the mode.
@@ -295,7 +318,7 @@ def plan_cache(
         empty_text_file=text_file("") if empty else None,
         loss_weights=weights,
         preserve_texts=kept,
-        preserve_files=[[text_file(t) for t in ts] for ts in kept],
+        preserve_files=preserve_files,
         base_targets=toward_base if any(toward_base) else [],
         prompt_files={p: text_file(p) for p in slider.prompts()} if slider is not None else {},
         names=[v.name for v in seen] if cfg.data.datasets else [],
@@ -310,12 +333,14 @@ def plan_cache(
         ),
         text_path=text_file,
         control_files=control_files if any(control_files) else [],
+        text_controls=text_controls,
     )
 
 
-def _text_path(text_dir: Path, dtype: str, text: str) -> Path:
-    """A text's embedding file: keyed by the text and the dtype, under the encoders' folder."""
-    return text_dir / f"{_key(text, dtype)}.safetensors"
+def _text_path(text_dir: Path, dtype: str, text: str, *extra: Any) -> Path:
+    """A text's embedding file: keyed by the text, the dtype and what else the encoders see
+    (`extra`: a pair's controls), under the encoders' folder."""
+    return text_dir / f"{_key(text, dtype, *extra)}.safetensors"
 
 
 def posterior_draw(cfg: Config, entry: Path) -> dict[str, torch.Generator]:
@@ -440,6 +465,7 @@ def _encode_missing(
         stats["latents_encoded"] += 1
     if todo or todo_controls:
         comps.vae.to(dtype=vae_dtype)
+    undecodable = {data.samples[i].image for i in bad}
     if bad and share[1] == 1:
         _drop_undecodable(data, bad)
     wanted: dict[Path, str] = {}
@@ -457,10 +483,15 @@ def _encode_missing(
     bar = tqdm(
         total=len(missing), desc="cache text", unit="caption", disable=not show or not missing
     )
-    for start in range(0, len(missing), 16):
-        chunk = missing[start : start + 16]
+    # Texts encoded with a pair's controls (`text_controls`) go in chunks of their own; those
+    # of a pair whose control failed to decode are left out with it.
+    paired = [m for m in missing if m[0] in data.text_controls]
+    paired = [m for m in paired if data.text_controls[m[0]][0].image not in undecodable]
+    plain = [m for m in missing if m[0] not in data.text_controls]
+    chunks = [g[i : i + 16] for g in (plain, paired) for i in range(0, len(g), 16)]
+    for chunk in chunks:
         with torch.no_grad():
-            enc = family.encode_text(comps, [t for _, t in chunk])
+            enc = _encode_texts(data, family, comps, chunk, seen)
         for j, (path, _) in enumerate(chunk):
             tensors = {k: v[j].float().cpu().contiguous() for k, v in enc.items()}
             data.store.put(path, tensors)
@@ -469,6 +500,27 @@ def _encode_missing(
     bar.close()
     data.stats = stats
     return data
+
+
+def _encode_texts(
+    data: CachedDataset,
+    family: Any,
+    comps: Any,
+    chunk: list[tuple[Path, str]],
+    seen: list[Any],
+) -> dict[str, torch.Tensor]:
+    """`encode_text` of a chunk of texts; texts keyed by a pair's controls (`text_controls`)
+    are encoded with those controls as placed, and are never in one chunk with others."""
+    owners = [data.text_controls.get(f) for f, _ in chunk]
+    if all(o is None for o in owners):
+        return family.encode_text(comps, [t for _, t in chunk])
+    controls = []
+    for s, p in owners:
+        d = seen[s.dataset].data
+        controls.append(
+            [control_image(c, p, d.alpha_background, d.max_image_pixels) for c in s.controls]
+        )
+    return family.encode_text(comps, [t for _, t in chunk], controls=controls)
 
 
 def _drop_undecodable(data: CachedDataset, bad: dict[int, str]) -> None:

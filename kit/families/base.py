@@ -164,6 +164,11 @@ class Family(FamilyExports, ABC):
     takes none (a dataset with `control_dir` is refused), else the most its pipeline takes."""
     needs_control: bool = False
     """Whether every dataset must have its control images (an edit model)."""
+    prompt_controls: bool = False
+    """Whether a caption's embedding depends on its pair's control images (Qwen-Image-Edit's
+    vision-language encoder reads them with the prompt): the text cache then keys a pair's
+    captions by its controls too and calls `encode_text(comps, captions, controls=...)` with the
+    controls as placed, and validation draws with the text encoder, not cached embeddings."""
     variants: tuple[str, ...] = ()
     """The released models this family trains, as `kit families` lists them (e.g. "dev",
     "klein 4B"); which one a base is, is read from its configs (`variant_of`)."""

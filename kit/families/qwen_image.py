@@ -138,9 +138,10 @@ def _bpe(word: list[str], ranks: dict[tuple[str, str], int]) -> list[str]:
     return word
 
 
-def tiny_qwen2_tokenizer() -> Any:
-    """A `Qwen2Tokenizer` (Qwen2's own pre-tokenizer, byte-level BPE) over a few words, with the
-    chat and vision special tokens Qwen2.5-VL's template and config use; built offline."""
+def tiny_qwen2_tokenizer(words: tuple[str, ...] = ()) -> Any:
+    """A `Qwen2Tokenizer` (Qwen2's own pre-tokenizer, byte-level BPE) over a few words (and
+    `words`, one token each too), with the chat and vision special tokens Qwen2.5-VL's template
+    and config use; built offline."""
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
 
@@ -148,7 +149,7 @@ def tiny_qwen2_tokenizer() -> Any:
     vocab = {"<|endoftext|>": 0, **{c: i + 1 for i, c in enumerate(alphabet)}}
     ranks: dict[tuple[str, str], int] = {}
     # Words after a space are pre-tokenized with the byte-level space `Ġ` in front.
-    for word in [*TEMPLATE_WORDS, *tiny.WORDS]:
+    for word in [*TEMPLATE_WORDS, *tiny.WORDS, *words]:
         for form in (word, "Ġ" + word):
             pieces = _bpe(list(form), ranks)
             while len(pieces) > 1:  # a new merge ranks last, so earlier words stay one token

@@ -144,6 +144,15 @@ FAMILIES: dict[str, FamilyInfo] = {
             hub_id="Qwen/Qwen-Image",
         ),
         FamilyInfo(
+            "qwen_image_edit",
+            "kit.families.qwen_image_edit",
+            bucket_step=64,
+            native_resolution=1024,
+            hub_id="Qwen/Qwen-Image-Edit",
+            control_images=3,
+            needs_control=True,
+        ),
+        FamilyInfo(
             "zimage",
             "kit.families.zimage",
             bucket_step=64,

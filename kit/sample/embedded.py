@@ -53,8 +53,11 @@ def takes_embeddings(pipeline_class: type | str, text_keys: list[str]) -> bool:
 def draws_from_embeddings(family: Any, method: Any) -> bool:
     """Whether a run of this method on this family draws its grids from cached embeddings, and
     so lets its text encoders go once the cache is filled: not while a text encoder trains or
-    text is encoded live (textual inversion), and only through a pipeline that takes them."""
-    return not method.live_text and takes_embeddings(family.pipeline_class, ["prompt_embeds"])
+    text is encoded live (textual inversion), nor where a prompt's embedding depends on its
+    control images (`Family.prompt_controls`), and only through a pipeline that takes them."""
+    if method.live_text or family.prompt_controls:
+        return False
+    return takes_embeddings(family.pipeline_class, ["prompt_embeds"])
 
 
 def embedded_keys(family: Any, text: dict[str, torch.Tensor]) -> list[str]:

@@ -43,10 +43,18 @@ def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
 def pair_prompts(cfg: Config, family: Family, samples: list[Any], n: int = 2) -> list[Any]:
     """An edit model's default grid: when no validation prompt is configured, the first `n`
     training pairs of distinct captions as `validation_prompts` entries (caption + controls),
-    so every grid shows control → result; [] otherwise."""
+    so every grid shows control → result; [] otherwise. A family whose prompts are read with
+    their controls (`Family.prompt_controls`) draws each configured `validation_prompt` on the
+    first training pair's controls: without them it would not be the edit it is trained for."""
     v = cfg.validation
-    if not family.control_images or v.validation_prompt or v.validation_prompts:
+    if not family.control_images or v.validation_prompts:
         return []
+    if v.validation_prompt:
+        first = next((s for s in samples if s.controls), None)
+        if not family.prompt_controls or first is None:
+            return []
+        control = [str(c) for c in first.controls]
+        return [ValidationPrompt(prompt=p, control=control) for p in v.validation_prompt]
     entries: list[ValidationPrompt] = []
     for sample in samples:
         if sample.controls and sample.caption not in {e.prompt for e in entries}:

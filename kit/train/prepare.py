@@ -117,14 +117,18 @@ def prepare(
         scanned=scanned,
     )
     holdout = _holdout(cfg, identity, text_dtype, family)
-    # An edit model with no validation prompt draws its first training pairs: control → result.
+    # An edit model with no validation prompt draws its first training pairs: control → result
+    # (one whose prompts are read with their controls, its prompts on the first pair's).
     edits = pair_prompts(cfg, family, data.kept())
     if edits:
-        cfg = replace(cfg, validation=replace(cfg.validation, validation_prompts=edits))
+        v = replace(cfg.validation, validation_prompts=edits, validation_prompt=[])
+        cfg = replace(cfg, validation=v)
     # Prompts from the captions of what is taught, never of a prior (regularisation) dataset.
     taught = [x.caption for x in data.samples if not data.roles or data.roles[x.dataset] != "prior"]
     prompts = default_prompts(cfg, taught or [x.caption for x in data.samples])
-    if not method.live_text:
+    # A family whose prompts depend on their controls draws its grids with its encoder.
+    cached_prompts = not method.live_text and not family.prompt_controls
+    if cached_prompts:
         # The grids' prompts are cached with the captions: validation then needs no encoder.
         data.add_prompts(prompt_texts(family, image_specs(cfg, family, prompts)))
     # Frozen parts load straight in the half dtype they run in, never in fp32 first; what
@@ -158,7 +162,7 @@ def prepare(
     _fill_shared(accelerator, data, cfg, family, comps)
     if holdout is not None:
         _fill_shared(accelerator, holdout, cfg, family, comps)
-    embedded = not method.live_text and takes_embeddings(
+    embedded = cached_prompts and takes_embeddings(
         family.pipeline_class, embedded_keys(family, data.store.get(data.text_files[0]))
     )
     if embedded and comps.text_encoders:
