@@ -53,6 +53,7 @@ from torch import nn
 
 from kit.errors import ConfigError, KitError
 from kit.families import tiny
+from kit.families.quantize import is_quantized
 from kit.families.shipped import config_source
 
 EXPERTS = ("high", "low")
@@ -273,8 +274,6 @@ def _frozen_tensors(module: nn.Module) -> list[torch.Tensor]:
 def _quantized_layers(module: nn.Module) -> list[nn.Module]:
     """The layers whose own weight is stored quantized (base_quantization); not the adapter
     layers wrapping them, which only show their base layer's weight."""
-    from kit.families.quantize import is_quantized
-
     return [m for m in module.modules() if "weight" in m._parameters and is_quantized(m)]
 
 
