@@ -98,7 +98,7 @@ def test_tiny_model_loads_with_its_pipeline_class(family_run):
     import diffusers
 
     name, tmp, fields = family_run
-    family = get_family(name)
+    family = get_family(name, _config(tmp, fields, "load"))  # told its base, as a run is
     pipe = getattr(diffusers, family.pipeline_class).from_pretrained(
         str(fields["base"]), **family.pipeline_kwargs
     )

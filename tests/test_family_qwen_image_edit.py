@@ -255,7 +255,9 @@ def test_exports_load_through_the_edit_pipeline(tiny_edit, tmp_path):
     from kit.methods import get_method
     from kit.methods.adapters import adapter_state_dict
 
-    cfg = Config().replace(model_family=NAME, lora_rank=2, lora_alpha=4)
+    cfg = Config().replace(
+        model_family=NAME, pretrained_model=str(tiny_edit), lora_rank=2, lora_alpha=4
+    )
     family = get_family(NAME, cfg)
     comps = family.load(str(tiny_edit))
     get_method(cfg, family).attach(comps)

@@ -173,8 +173,15 @@ class QwenImageEdit(QwenImage):
     @property
     def pipeline_kwargs(self) -> dict[str, Any]:  # type: ignore[override]
         """`from_pretrained` arguments: without torchvision, a tiny base's processor is a
-        custom component (`make_tiny`), which diffusers loads only when told to trust it."""
-        return {} if has_torchvision() else {"trust_remote_code": True}
+        custom component (`make_tiny`), which diffusers loads only when told to trust it. Only
+        a base whose model_index names the kit's own processor module is trusted: never a
+        released or downloaded model's code."""
+        if has_torchvision() or self.cfg is None:
+            return {}
+        pretrained = self.cfg.model.pretrained_model or self.hub_id
+        index = model_index(self.model_source(pretrained), self.cfg.model.revision)
+        own = (index.get("processor") or [None])[0] == IMAGE_ONLY_MODULE
+        return {"trust_remote_code": True} if own else {}
 
     modelspec_architecture = "qwen-image-edit"
 
