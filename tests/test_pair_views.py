@@ -136,3 +136,12 @@ def test_an_edit_run_shows_control_base_result_in_notebook_05_and_the_card(
     assert "`make a red`; `make b red`" in card and str(folder) not in card
     assert Image.open(out / "images" / "edits.png").size == edit_figure(examples).size
     shutil.rmtree(out)
+
+
+def test_an_edit_rows_label_draws_in_the_grids_font():
+    from kit.families.samplers import ImageSpec
+    from kit.sample.validate import row_labels
+
+    spec = ImageSpec("relight it", "", 0, 4, 3.5, 64, 64, control=("a.png",))
+    # The grids' bitmap font has no arrow glyph (it drew a box): the label says "->".
+    assert row_labels([[spec]]) == ["[scale 1] control -> relight it"]

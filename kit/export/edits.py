@@ -111,6 +111,6 @@ def edit_figure(examples: list[EditExample], height: int = 128) -> Image.Image |
         images += [fitted(e.base, height)] if e.base is not None else []
         images += [fitted(e.results[s], height) for s in steps]
         names += [f"step {s}" for s in steps]
-        label = f"{e.prompt} [control → {' · '.join(names)}]"
+        label = f"{e.prompt} [control -> {', '.join(names)}]"  # the drawing font has no arrow
         rows.append(strip(images, len(e.controls), label))
     return stack(rows) if rows else None

@@ -226,7 +226,7 @@ def row_labels(rows: list[list[ImageSpec]]) -> list[str]:
     shown = [say for key, say in _ROW_TAGS if len({key(s) for s in firsts}) > 1]
     return [
         f"[{', '.join([f'scale {s.adapter_scale:g}', *(say(s) for say in shown)])}] "
-        + ("control → " if s.control else "")
+        + ("control -> " if s.control else "")  # the drawing font has no arrow
         + s.prompt
         for s in firsts
     ]
