@@ -207,6 +207,33 @@ def tiny_qwen25_vl(tokenizer: Any) -> Any:
 # ---------------------------------------------------------------- the family
 
 
+def tiny_vae_and_transformer(**transformer_config: Any) -> tuple[Any, Any]:
+    """A tiny random-init Qwen-Image VAE and transformer (the edit family's too; its 2511 adds
+    `zero_cond_t`)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+
+    # Wan's tiny VAE sizes (8x, as the release); the latent statistics are the release's.
+    vae = AutoencoderKLQwenImage(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,  # 16 latent channels × a 2×2 patch
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
+        **transformer_config,
+    )
+    return vae, transformer
+
+
 @register
 class QwenImage(Family):
     """Qwen-Image and Qwen-Image-2512 (one architecture; neither is step-distilled)."""
@@ -439,33 +466,14 @@ class QwenImage(Family):
 
     def make_tiny(self, out_dir, seed=0):
         from diffusers import (
-            AutoencoderKLQwenImage,
             FlowMatchEulerDiscreteScheduler,
             QwenImagePipeline,
-            QwenImageTransformer2DModel,
         )
 
         torch.manual_seed(seed)
         tokenizer = tiny_qwen2_tokenizer()
         text_encoder = tiny_qwen25_vl(tokenizer)
-        # Wan's tiny VAE sizes (8x, as the release); the latent statistics are the release's.
-        vae = AutoencoderKLQwenImage(
-            base_dim=3,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        )
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=64,  # 16 latent channels × a 2×2 patch
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 6, 6),  # sums to attention_head_dim
-        )
+        vae, transformer = tiny_vae_and_transformer()
         # The release's scheduler config (dynamic, exponential shift; see model_configs).
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             FlowMatchEulerDiscreteScheduler.load_config(

@@ -39,6 +39,7 @@ from kit.families.qwen_image import (
     pack_latents,
     tiny_qwen2_tokenizer,
     tiny_qwen25_vl,
+    tiny_vae_and_transformer,
     transformer_inputs,
     unpack_latents,
 )
@@ -428,9 +429,7 @@ class QwenImageEdit(QwenImage):
         the edit pipelines call: Edit's by default, 2509's with `plus`, 2511's with both."""
         import diffusers
         from diffusers import (
-            AutoencoderKLQwenImage,
             FlowMatchEulerDiscreteScheduler,
-            QwenImageTransformer2DModel,
         )
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             Qwen2VLImageProcessorPil,
@@ -443,24 +442,7 @@ class QwenImageEdit(QwenImage):
         image_processor = Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=12845056)
         cls = image_only_processor_class()
         processor = cls(image_processor=image_processor, tokenizer=tokenizer)
-        vae = AutoencoderKLQwenImage(
-            base_dim=3,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        )
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=64,
-            out_channels=16,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 6, 6),
-            zero_cond_t=zero_cond_t,
-        )
+        vae, transformer = tiny_vae_and_transformer(zero_cond_t=zero_cond_t)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             FlowMatchEulerDiscreteScheduler.load_config(
                 config_source(self.hub_id), subfolder="scheduler"
