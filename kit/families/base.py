@@ -35,7 +35,7 @@ from kit.families.noise import (
     flow_noise_and_target,
     flow_sampling,
 )
-from kit.families.samplers import DEFAULT, ImageSpec, check_validation
+from kit.families.samplers import DEFAULT, ImageSpec, check_validation, open_named_images
 from kit.families.shipped import SHIPPED
 
 if TYPE_CHECKING:
@@ -519,11 +519,16 @@ class Family(FamilyExports, ABC):
             kwargs["cross_attention_kwargs"] = {"scale": spec.adapter_scale}
         return kwargs
 
+    def pipeline_call(self, spec: ImageSpec) -> dict[str, Any]:
+        """`call_kwargs` with the images they name by file (an edit model's controls, an
+        image-to-video model's first frame: files, so the sidecar records them) opened."""
+        return open_named_images(self.call_kwargs(spec))
+
     def sample(self, pipe: Any, spec: ImageSpec) -> list[Image.Image]:
         """Draw `spec`: one image, or the frames of a clip."""
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
-            out = pipe(**self.call_kwargs(spec), generator=generator)
+            out = pipe(**self.pipeline_call(spec), generator=generator)
         return [out.images[0]]
 
     # ------------------------------------------------------------ memory estimate

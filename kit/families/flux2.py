@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from PIL import Image
 
 from kit.errors import ConfigError, DataError
 from kit.families import adapter_keys, flux2_layout, flux2_tiny, register
@@ -483,14 +482,6 @@ class Flux2(Family):
             # The files, so the sidecar can record them; `sample` opens them for the pipeline.
             kwargs["image"] = list(spec.control)
         return kwargs
-
-    def sample(self, pipe, spec):
-        kwargs = self.call_kwargs(spec)
-        if "image" in kwargs:
-            kwargs["image"] = [Image.open(f).convert("RGB") for f in kwargs["image"]]
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            return [pipe(**kwargs, generator=generator).images[0]]
 
     # ------------------------------------------------------------ memory estimate
 

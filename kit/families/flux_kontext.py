@@ -125,14 +125,6 @@ class FluxKontext(Flux):
                 kwargs["_auto_resize"] = False
         return kwargs
 
-    def sample(self, pipe, spec):
-        kwargs = self.call_kwargs(spec)
-        if "image" in kwargs:
-            kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            return [pipe(**kwargs, generator=generator).images[0]]
-
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]
         config = transformer.config

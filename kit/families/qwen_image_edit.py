@@ -385,16 +385,6 @@ class QwenImageEdit(QwenImage):
             kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
         return kwargs
 
-    def sample(self, pipe, spec):
-        kwargs = self.call_kwargs(spec)
-        if isinstance(kwargs.get("image"), list):
-            kwargs["image"] = [Image.open(f).convert("RGB") for f in kwargs["image"]]
-        elif "image" in kwargs:
-            kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            return [pipe(**kwargs, generator=generator).images[0]]
-
     # ------------------------------------------------------------ memory estimate
 
     def denoiser_inputs(self, parts, batch, height, width):

@@ -229,5 +229,23 @@ __all__ = [
     "build_scheduler",
     "check_validation",
     "draw",
+    "open_named_images",
     "samplers_for",
 ]
+
+
+def open_named_images(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A pipeline call's keyword arguments with the images they name by file (`image`: one file
+    or a list) opened as RGB, each file read whole and closed."""
+    from PIL import Image
+
+    def opened(path: str) -> Any:
+        with Image.open(path) as im:
+            return im.convert("RGB")
+
+    named = kwargs.get("image")
+    if isinstance(named, str):
+        kwargs["image"] = opened(named)
+    elif isinstance(named, (list, tuple)):
+        kwargs["image"] = [opened(f) if isinstance(f, str) else f for f in named]
+    return kwargs

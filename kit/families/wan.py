@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from kit.config import Config
 from kit.errors import KitError
@@ -414,16 +415,12 @@ class Wan(Family):
         return kwargs
 
     def sample(self, pipe, spec):
-        from PIL import Image
-
-        kwargs = self.call_kwargs(spec)
-        if self.i2v is not None:
-            if kwargs["image"] is None:
-                raise KitError(
-                    f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
-                    "give it as validation_prompts: [{prompt: ..., control: [image]}]"
-                )
-            kwargs["image"] = Image.open(kwargs["image"]).convert("RGB")
+        if self.i2v is not None and not spec.control:
+            raise KitError(
+                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
+                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
+            )
+        kwargs = self.pipeline_call(spec)
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
             out = pipe(**kwargs, generator=generator)
