@@ -27,6 +27,10 @@ class SourceFields:
     """`hf_dataset`: the column of images (an Image column, bytes, or a path/URL per row)."""
     caption_column: str = "text"
     """`hf_dataset`: the column of captions (with `caption_strategy` textfile)."""
+    streaming: bool = False
+    """`hf_dataset`: read it as a stream (a hub dataset too large to download whole): nothing
+    is downloaded whole or written as Arrow; the stream is read once to scan it and once to
+    cache its latents, and training draws from the cache. A killed read resumes where it was."""
     mask_column: str = ""
     """`hf_dataset`: a column of loss masks for `masked_loss` (white = learn), each the size of
     its image; empty: the images' alpha channel."""
@@ -53,6 +57,17 @@ class SourceFields:
             )
         if self.mask_column and not self.hf_dataset:
             raise ConfigError("mask_column: masks are read from an hf_dataset's column")
+        if self.streaming and not self.hf_dataset:
+            raise ConfigError(
+                "streaming: only an hf_dataset is streamed (shards and URLs are read in place "
+                "already); set it false"
+            )
+        if self.streaming and (self.mask_column or getattr(self, "masked_loss", None)):
+            key = "mask_column" if self.mask_column else "masked_loss"
+            raise ConfigError(
+                f"{key}: masks are not read from a stream; set streaming false (the dataset is "
+                "then downloaded once) or train this dataset without masks"
+            )
         if self.hf_dataset and not (self.image_column and self.caption_column and self.split):
             raise ConfigError("hf_dataset: split, image_column and caption_column must be set")
 
@@ -62,5 +77,13 @@ class SourceFields:
         return where.rstrip("/").rsplit("/", 1)[-1].split("{", 1)[0].rstrip("-_.") or where
 
 
-SOURCE_FIELDS = ("hf_dataset", "split", "image_column", "caption_column", "mask_column", "shards")
+SOURCE_FIELDS = (
+    "hf_dataset",
+    "split",
+    "image_column",
+    "caption_column",
+    "mask_column",
+    "shards",
+    "streaming",
+)
 """The entry fields above: not data-section settings, so a view does not take them over."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kit.config.sources import URL
+from kit.data.streamed import read_row
 from kit.errors import DataError
 
 
@@ -78,12 +79,22 @@ class Blob:
     start: int = 0
     size: int = -1
     """Byte range within `location` (-1: to its end)."""
-    table: tuple[str, str, str] | None = None
+    table: tuple[str, ...] | None = None
     """A dataset cell: (dataset, split, column) as `kit.data.sources.hf` opens it; `start` is
-    the row."""
+    the row. A streamed row (`streaming`) adds its block of the stream: `start` is its row in
+    that block."""
+
+    @property
+    def stream_block(self) -> int | None:
+        """A streamed row's block of its stream; None for any other sample."""
+        return int(self.table[3]) if self.table is not None and len(self.table) > 3 else None
 
     def read(self) -> bytes:
-        """The bytes, read now (one range request for a remote file)."""
+        """The bytes, read now (one range request for a remote file; a streamed row from its
+        block's pass, see `kit.data.streamed.read_row`)."""
+        if self.stream_block is not None:
+            assert self.table is not None
+            return read_row(self.table, self.start, self.name)
         if self.table is not None:
             return cell_bytes(self.table, self.start)
         return read_range(self.location, self.start, self.size)
@@ -132,10 +143,10 @@ def open_dataset(name: str, split: str) -> Any:
         raise DataError(f"{where} cannot be opened: {str(e).splitlines()[0]}") from None
 
 
-def cell_bytes(table: tuple[str, str, str], row: int) -> bytes:
+def cell_bytes(table: tuple[str, ...], row: int) -> bytes:
     """The image bytes in one row of a dataset's column (an Image column's bytes, or the file its
     path names; a binary column's value)."""
-    name, split, column = table
+    name, split, column = table[:3]
     value = open_dataset(name, split).data.column(column)[row].as_py()
     if isinstance(value, dict):
         if value.get("bytes") is not None:

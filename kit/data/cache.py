@@ -371,7 +371,8 @@ def fill_cache(
     (shards), also when encoding stops on an error, so that a resumed build redoes none of it.
 
     `share=(index, count)` encodes only this process's share of the missing entries: of the
-    dataset's entries in plan order (text: in key order), every `count`-th from `index`. The
+    dataset's entries in plan order (text: in key order), every `count`-th from `index` (a
+    streamed row's latents: those of every `count`-th block of its stream, see `_owner`). The
     shares are disjoint and do not depend on what is cached, so `count` processes building at
     once never encode an entry twice. A share leaves undecodable images in; the whole pass that
     follows (after every process finished its share) finds and drops them on every process
@@ -405,7 +406,8 @@ def _encode_missing(
     stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
     todo = [i for i, f in enumerate(data.latent_files) if not data.store.has(f)]
     stats["latents_reused"] = len(data.latent_files) - len(todo)
-    todo = [i for i in todo if i % share[1] == share[0]]  # this process's share
+    todo = [i for i in todo if _owner(data.samples[i], i, share[1]) == share[0]]
+    todo.sort(key=lambda i: _read_order(data.samples[i], i))
     bad: dict[int, str] = {}
     vae_dtype = comps.vae.dtype if todo else None
     if todo:
@@ -500,6 +502,22 @@ def _encode_missing(
     bar.close()
     data.stats = stats
     return data
+
+
+def _owner(sample: Sample, i: int, count: int) -> int:
+    """Which of `count` processes encodes entry `i`: every `count`-th; a streamed row, the owner
+    of its block of the stream, so that each process reads only its own blocks."""
+    block = sample.blob.stream_block if sample.blob is not None else None
+    return (i if block is None else block) % count
+
+
+def _read_order(sample: Sample, i: int) -> tuple[Any, ...]:
+    """Entries in plan order, but a stream's rows (twins beside) in the order their blocks
+    give them, so that the stream is read front to back once."""
+    blob = sample.blob
+    if blob is None or blob.stream_block is None or blob.table is None:
+        return ((), i)
+    return (blob.table, blob.start)
 
 
 def _encode_texts(

@@ -14,6 +14,7 @@ from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources.hf import scan_hf
 from kit.data.sources.remote import scan_url_folder
+from kit.data.sources.stream import scan_stream
 from kit.data.sources.tar import scan_shards, shard_names
 
 
@@ -29,7 +30,8 @@ def describe(view: DatasetView) -> str:
     """Where a dataset's images are, as messages name it."""
     entry = view.entry
     if entry is not None and entry.hf_dataset:
-        return f"hf_dataset {entry.hf_dataset} ({entry.split})"
+        streamed = ", streamed" if entry.streaming else ""
+        return f"hf_dataset {entry.hf_dataset} ({entry.split}{streamed})"
     if entry is not None and entry.shards:
         return f"shards {entry.shards}"
     return view.data.image_dir
@@ -49,7 +51,7 @@ def scan_source(view: DatasetView) -> ScanReport:
     """Scan a dataset that `elsewhere` says is not a local folder."""
     entry = view.entry
     if entry is not None and entry.hf_dataset:
-        return scan_hf(view)
+        return scan_stream(view) if entry.streaming else scan_hf(view)
     if entry is not None and entry.shards:
         return scan_shards(view)
     return scan_url_folder(view)

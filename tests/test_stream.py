@@ -1,0 +1,179 @@
+"""A Hugging Face dataset read as a stream (`streaming: true`): scanned and cached with nothing
+downloaded whole, a read stopped in the middle resumed from its saved position, a broken row
+named and skipped alone, training with a resume equal to the straight run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kit.config import from_dict, load_config
+from kit.data.scan import scan
+from kit.data.sources import stream
+from kit.data.sources.write import folder_records, write_parquet
+from kit.errors import ConfigError, DataError
+from kit.run import checkpoint as ckpt
+
+datasets = pytest.importorskip("datasets")
+
+
+@pytest.fixture(autouse=True)
+def _hf_cache(tmp_path, monkeypatch):
+    """`datasets`' cache and the saved scans in the test's own folder; no stream left open."""
+    from kit.data import streamed
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    streamed.open_stream.cache_clear()
+    yield
+    streamed.close_all()
+
+
+@pytest.fixture()
+def records(dataset):
+    """Eight of the toy images with their captions, as (key, ext, bytes, caption)."""
+    return folder_records(dataset)[:8]
+
+
+def arrow_files(tmp_path: Path) -> list[Path]:
+    return list((tmp_path / "hf-cache").rglob("*.arrow"))
+
+
+def seen(report) -> list[tuple]:
+    return [(str(s.image), s.caption, s.width, s.height, s.blob.digest) for s in report.samples]
+
+
+def streamed(path: Path | str, **kw) -> dict:
+    return {"datasets": [{"hf_dataset": str(path), "streaming": True, **kw}]}
+
+
+def test_a_stream_scans_as_the_table_and_writes_nothing_whole(tmp_path, records, monkeypatch):
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    got = scan(from_dict(streamed(path)).data)
+    assert not arrow_files(tmp_path)  # nothing prepared as Arrow: read as a stream
+    table = scan(from_dict({"datasets": [{"hf_dataset": str(path)}]}).data)
+    assert arrow_files(tmp_path)  # the memory-mapped reader prepares the table (the check bites)
+    assert seen(got) == seen(table) and len(got.samples) == 8
+    # Each row's bytes are read from the stream again, in any order (a row behind restarts).
+    for i in (5, 6, 6, 2, 7):
+        assert got.samples[i].blob.read() == records[i][2]
+    # Saved: a second scan pulls no row.
+    monkeypatch.setattr(stream, "_examples", lambda s: pytest.fail("read the stream again"))
+    assert seen(scan(from_dict(streamed(path)).data)) == seen(got)
+
+
+def test_a_stopped_stream_read_resumes_where_it_was(tmp_path, records, monkeypatch):
+    """A read that fails at row 5 (positions saved every 2 rows) resumes at row 4, not at the
+    start, and ends with the scan of a read that never stopped."""
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    monkeypatch.setattr(stream, "CHECKPOINT", 2)
+    real, pulled = stream._examples, []
+
+    def failing_at(k):
+        def rows(s):
+            for n, example in enumerate(real(s)):
+                if n == k:
+                    raise OSError("connection reset by peer")
+                pulled.append(example["text"])
+                yield example
+
+        return rows
+
+    monkeypatch.setattr(stream, "_examples", failing_at(5))
+    with pytest.raises(DataError, match=r"stream broke at row 5 .*connection reset.*from row 4"):
+        scan(from_dict(streamed(path)).data)
+    assert pulled == [r[3] for r in records[:5]]
+    pulled.clear()
+    monkeypatch.setattr(stream, "_examples", failing_at(-1))
+    resumed = scan(from_dict(streamed(path)).data)
+    assert pulled == [r[3] for r in records[4:]]  # from the saved position on, each row once
+    straight = scan(from_dict({**streamed(path), "cache_dir": str(tmp_path / "c2")}).data)
+    assert seen(resumed) == seen(straight)
+    scans = tmp_path / "xdg" / "kit" / "scans"
+    assert not list(scans.glob("*.progress.json")) and len(list(scans.glob("*.json"))) == 1
+
+
+def test_a_broken_row_is_named_and_skipped_alone(tmp_path, records):
+    broken = [*records[:3], ("bad", "png", b"\x89PNG\r\n\x1a\n not an image", "x"), *records[3:]]
+    path = write_parquet(broken, tmp_path / "toy.parquet")
+    rep = scan(from_dict(streamed(path)).data)
+    assert len(rep.samples) == 8
+    ((name, why),) = rep.unreadable
+    assert str(name) == "toy.parquet[3]" and "toy.parquet[3]" in "; ".join(rep.problems())
+
+
+def test_streaming_refuses_what_it_cannot_read(tmp_path, records):
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    with pytest.raises(ConfigError, match="streaming: only an hf_dataset is streamed"):
+        from_dict({"datasets": [{"shards": "a-{0..1}.tar", "streaming": True}]})
+    with pytest.raises(ConfigError, match="mask_column: masks are not read from a stream"):
+        from_dict(streamed(path, mask_column="mask"))
+    with pytest.raises(ConfigError, match="masked_loss: masks are not read from a stream"):
+        from_dict(streamed(path, masked_loss=True))
+    with pytest.raises(DataError, match="masked_loss: masks are not read from a stream"):
+        scan(from_dict({**streamed(path), "masked_loss": True}).data)
+    with pytest.raises(DataError, match=r"no column 'caption' \(its columns: image, text\)"):
+        scan(from_dict(streamed(path, caption_column="caption")).data)
+    datasets.load_dataset("parquet", data_files=str(path), split="train").save_to_disk(
+        str(tmp_path / "saved")
+    )
+    with pytest.raises(DataError, match="written by save_to_disk.*set streaming to false"):
+        scan(from_dict(streamed(tmp_path / "saved")).data)
+
+
+def test_a_streamed_dataset_trains_and_resumes_exactly(tmp_path, make_config, records, monkeypatch):
+    """A stream cached with a read that broke at row 5 (the cache kept its entries, the read
+    resumed at the first row not cached), trained 4 steps straight and 2 + resume + 2: the same
+    weights, with no Arrow file written."""
+    from kit.data import streamed as streaming
+    from kit.train.loop import train
+
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    entry = {"hf_dataset": str(path), "streaming": True}
+    common = {"image_dir": "", "datasets": [entry], "max_train_steps": 4}
+    a = make_config("a.json", output_dir=str(tmp_path / "a"), **common)
+    b = make_config(
+        "b.json", output_dir=str(tmp_path / "b"), cache_dir=str(tmp_path / "cb"), **common
+    )
+    real, pulled = streaming._pull, []
+
+    def pull(rows, fail_at=None):
+        if len(pulled) == fail_at:
+            raise OSError("connection reset by peer")
+        row = real(rows)
+        pulled.append(row)
+        return row
+
+    monkeypatch.setattr(streaming, "_pull", lambda rows: pull(rows, fail_at=5))
+    with pytest.raises(DataError, match=r"stream broke while caching \(connection reset"):
+        train(load_config(a))
+    monkeypatch.setattr(streaming, "_pull", pull)
+    pulled.clear()
+    assert train(load_config(a)).step == 4
+    # Rows 0-4 were cached before the break and are not read again: the read starts at row 5.
+    assert len(pulled) == 8 - 5
+
+    def stop(event):
+        if event["kind"] == "checkpoint" and event["step"] == 2:
+            raise KeyboardInterrupt
+
+    cfg_b = load_config(b)
+    assert train(cfg_b, callbacks=[stop]).interrupted
+    assert train(cfg_b, resume="latest").step == 4
+    wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", 4) / ckpt.ADAPTER_FILE))
+    wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # The cache built across the break equals the one built in one go, entry for entry.
+    ca, cb = (
+        {f.relative_to(root): load_file(str(f)) for f in (root / "latents").rglob("*.safetensors")}
+        for root in (tmp_path / "cache", tmp_path / "cb")
+    )
+    assert ca.keys() == cb.keys() and len(ca) >= 8
+    assert all(torch.equal(ca[k]["latents"], cb[k]["latents"]) for k in ca)
+    manifest = json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
+    assert len(manifest) == 8 and {r["caption"] for r in manifest} == {r[3] for r in records}
+    assert not arrow_files(tmp_path)
