@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kit.cli import main
 from kit.config import from_dict, load_config
 from kit.data.scan import scan
 from kit.data.sources import stream
@@ -51,7 +52,9 @@ def streamed(path: Path | str, **kw) -> dict:
     return {"datasets": [{"hf_dataset": str(path), "streaming": True, **kw}]}
 
 
-def test_a_stream_scans_as_the_table_and_writes_nothing_whole(tmp_path, records, monkeypatch):
+def test_a_stream_scans_as_the_table_and_writes_nothing_whole(
+    tmp_path, records, monkeypatch, make_config, capsys
+):
     path = write_parquet(records, tmp_path / "toy.parquet")
     got = scan(from_dict(streamed(path)).data)
     assert not arrow_files(tmp_path)  # nothing prepared as Arrow: read as a stream
@@ -61,12 +64,18 @@ def test_a_stream_scans_as_the_table_and_writes_nothing_whole(tmp_path, records,
     # Each row's bytes are read from the stream again, in any order (a row behind restarts).
     for i in (5, 6, 6, 2, 7):
         assert got.samples[i].blob.read() == records[i][2]
+    cfg = make_config("c.json", image_dir="", datasets=streamed(path)["datasets"])
+    assert main(["buckets", str(cfg), "--json"]) == 0  # the bucket report reads a stream too
+    report = json.loads(capsys.readouterr().out)
+    assert report["images"] == 8
     # Saved: a second scan pulls no row.
     monkeypatch.setattr(stream, "_examples", lambda s: pytest.fail("read the stream again"))
     assert seen(scan(from_dict(streamed(path)).data)) == seen(got)
 
 
-def test_a_stopped_stream_read_resumes_where_it_was(tmp_path, records, monkeypatch):
+def test_a_stopped_stream_read_resumes_where_it_was(
+    tmp_path, records, monkeypatch, make_config, capsys
+):
     """A read that fails at row 5 (positions saved every 2 rows) resumes at row 4, not at the
     start, and ends with the scan of a read that never stopped."""
     path = write_parquet(records, tmp_path / "toy.parquet")
@@ -87,6 +96,14 @@ def test_a_stopped_stream_read_resumes_where_it_was(tmp_path, records, monkeypat
     with pytest.raises(DataError, match=r"stream broke at row 5 .*connection reset.*from row 4"):
         scan(from_dict(streamed(path)).data)
     assert pulled == [r[3] for r in records[:5]]
+    # Through the command line, broken again one row on: one line, the saved position kept.
+    pulled.clear()
+    monkeypatch.setattr(stream, "_examples", failing_at(1))
+    where = {"datasets": streamed(path)["datasets"], "cache_dir": str(tmp_path / "xdg" / "kit")}
+    assert main(["buckets", str(make_config("c.json", image_dir="", **where))]) != 0
+    err = capsys.readouterr().err
+    assert "at row 5" in err and "from row 4" in err and "Traceback" not in err
+    assert pulled == [records[4][3]]
     pulled.clear()
     monkeypatch.setattr(stream, "_examples", failing_at(-1))
     resumed = scan(from_dict(streamed(path)).data)
@@ -176,4 +193,76 @@ def test_a_streamed_dataset_trains_and_resumes_exactly(tmp_path, make_config, re
     assert all(torch.equal(ca[k]["latents"], cb[k]["latents"]) for k in ca)
     manifest = json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
     assert len(manifest) == 8 and {r["caption"] for r in manifest} == {r[3] for r in records}
+    assert not arrow_files(tmp_path)
+
+
+def row_groups(records, tmp_path: Path) -> Path:
+    """The records as one parquet file of four row groups: a stream of four blocks."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(write_parquet(records, tmp_path / "toy.parquet"))
+    pq.write_table(table, tmp_path / "groups.parquet", row_group_size=2)
+    return tmp_path / "groups.parquet"
+
+
+def test_processes_share_a_stream_by_block(tmp_path, records, make_config, monkeypatch):
+    """A parquet file of four row groups streams as four blocks: rows named by block and row,
+    the samples of the table. Process 1 of 2 scans from block 2 on; its share of the cache
+    reads blocks 1 and 3 only, each front to back once."""
+    from kit.data import streamed as streaming
+    from kit.data.cache import fill_cache, plan_cache
+    from kit.families.loading import load_base
+
+    path = row_groups(records, tmp_path)
+    got = scan(from_dict(streamed(path)).data)
+    assert [str(s.image) for s in got.samples[:3]] == [
+        "groups.parquet[0:0]",
+        "groups.parquet[0:1]",
+        "groups.parquet[1:0]",
+    ]
+    table = scan(from_dict({"datasets": [{"hf_dataset": str(path)}]}).data)
+    assert [r[1:] for r in seen(got)] == [r[1:] for r in seen(table)]
+
+    real, firsts = stream._examples, []
+
+    def first_rows(s):
+        for n, example in enumerate(real(s)):
+            if n == 0:
+                firsts.append(example["text"])
+            yield example
+
+    monkeypatch.setattr(stream, "_examples", first_rows)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    again = scan(from_dict({**streamed(path), "cache_dir": str(tmp_path / "c2")}).data)
+    assert firsts == [records[i][3] for i in (4, 6, 0, 2)] and seen(again) == seen(got)
+
+    cfg = load_config(make_config(image_dir="", datasets=[streamed(path)["datasets"][0]]))
+    family, comps = load_base(cfg)
+    data = plan_cache(cfg, comps.identity, torch.float32, family=family)
+    pulled = []
+    monkeypatch.setattr(streaming, "_pull", lambda rows: pulled.append(next(rows)) or pulled[-1])
+    fill_cache(data, cfg, family, comps, progress=False, share=(1, 2))
+    assert [r["image"]["bytes"] for r in pulled] == [records[i][2] for i in (2, 3, 6, 7)]
+    assert data.stats["latents_encoded"] == 4
+
+
+@pytest.mark.slow
+def test_two_processes_on_a_stream_match_one(tmp_path, records, two_processes_and_one):
+    """Two processes streaming the same dataset (each scanning from its own block, each caching
+    the rows of its own blocks) train as one process with twice the accumulation."""
+    path = row_groups(records, tmp_path)
+    ddp, one = two_processes_and_one(
+        image_dir="",
+        datasets=[{"hf_dataset": str(path), "streaming": True}],
+        max_train_steps=2,
+        checkpointing_steps=0,
+    )
+    a = load_file(str(ckpt.checkpoint_dir(ddp, 2) / ckpt.ADAPTER_FILE))
+    b = load_file(str(ckpt.checkpoint_dir(one, 2) / ckpt.ADAPTER_FILE))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    # Four blocks, one saved scan each, whichever process wrote it; no position left behind.
+    scans = tmp_path / "cache" / "scans"
+    assert len(list(scans.glob("*.json"))) == 4 and not list(scans.glob("*.progress.json"))
     assert not arrow_files(tmp_path)
