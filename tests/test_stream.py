@@ -41,7 +41,8 @@ def records(dataset):
 
 
 def arrow_files(tmp_path: Path) -> list[Path]:
-    return list((tmp_path / "hf-cache").rglob("*.arrow"))
+    """What `datasets` wrote into its cache (its empty lock files aside): Arrow, or downloads."""
+    return [p for p in (tmp_path / "hf-cache").rglob("*") if p.is_file() and p.stat().st_size]
 
 
 def seen(report) -> list[tuple]:
@@ -59,7 +60,7 @@ def test_a_stream_scans_as_the_table_and_writes_nothing_whole(
     got = scan(from_dict(streamed(path)).data)
     assert not arrow_files(tmp_path)  # nothing prepared as Arrow: read as a stream
     table = scan(from_dict({"datasets": [{"hf_dataset": str(path)}]}).data)
-    assert arrow_files(tmp_path)  # the memory-mapped reader prepares the table (the check bites)
+    assert any(p.suffix == ".arrow" for p in arrow_files(tmp_path))  # the table's reader does
     assert seen(got) == seen(table) and len(got.samples) == 8
     # Each row's bytes are read from the stream again, in any order (a row behind restarts).
     for i in (5, 6, 6, 2, 7):

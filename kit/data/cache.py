@@ -517,7 +517,7 @@ def _read_order(sample: Sample, i: int) -> tuple[Any, ...]:
     blob = sample.blob
     if blob is None or blob.stream_block is None or blob.table is None:
         return ((), i)
-    return (blob.table, blob.start)
+    return (blob.table[:3], blob.stream_block, blob.start)
 
 
 def _encode_texts(
