@@ -136,6 +136,12 @@ def test_streaming_refuses_what_it_cannot_read(tmp_path, records):
         scan(from_dict({**streamed(path), "masked_loss": True}).data)
     with pytest.raises(DataError, match=r"no column 'caption' \(its columns: image, text\)"):
         scan(from_dict(streamed(path, caption_column="caption")).data)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "train.parquet").write_bytes(path.read_bytes())
+    with pytest.raises(DataError, match=r"has no split 'test' \(it has \['train'\]\)"):
+        scan(from_dict(streamed(tmp_path / "folder", split="test")).data)
+    with pytest.raises(DataError, match="no/such.parquet cannot be opened: Unable to find"):
+        scan(from_dict(streamed(tmp_path / "no" / "such.parquet")).data)
     datasets.load_dataset("parquet", data_files=str(path), split="train").save_to_disk(
         str(tmp_path / "saved")
     )

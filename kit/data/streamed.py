@@ -59,7 +59,7 @@ def open_stream(name: str, split: str) -> tuple[Any, list[Any]]:
             builder = datasets.load_dataset_builder(name)
         files = (builder.config.data_files or {}).get(split)
         if builder.config.data_files and files is None:
-            have = sorted(builder.config.data_files)
+            have = sorted(str(k) for k in builder.config.data_files)
             raise DataError(f"{where} has no split {split!r} (it has {have}): set split")
         ds = builder.as_streaming_dataset(split=split)
     except DataError:
@@ -68,8 +68,14 @@ def open_stream(name: str, split: str) -> tuple[Any, list[Any]]:
         raise DataError(f"{where}: {first_line(e)} (split {split!r})") from None
     except (OSError, datasets.exceptions.DatasetNotFoundError) as e:
         raise DataError(f"{where} cannot be opened: {first_line(e)}") from None
-    if ds.num_shards < RESHARD_BELOW:
-        ds = ds.reshard()  # parquet: a shard per row group (reads each file's footer only)
+    if not hasattr(ds, "shard"):  # `IterableDataset.shard` came with datasets 3.1
+        raise DataError(
+            f"streaming: {where} is read by blocks, which needs datasets 3.1 or newer "
+            f"(this is {datasets.__version__}): pip install -U datasets"
+        )
+    reshard = getattr(ds, "reshard", None)  # in newer datasets only: else a block per shard
+    if ds.num_shards < RESHARD_BELOW and reshard is not None:
+        ds = reshard()  # a shard per row group (reads each file's footer only)
     return ds, [_file_identity(str(f)) for f in files or []]
 
 
