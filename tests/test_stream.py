@@ -72,6 +72,14 @@ def test_a_stream_scans_as_the_table_and_writes_nothing_whole(
     # Saved: a second scan pulls no row.
     monkeypatch.setattr(stream, "_examples", lambda s: pytest.fail("read the stream again"))
     assert seen(scan(from_dict(streamed(path)).data)) == seen(got)
+    # A stream whose rows changed after its scan is not cached from: the row says so.
+    from kit.data import streamed as streaming
+
+    write_parquet(records[::-1], path)
+    streaming.close_all()
+    streaming.open_stream.cache_clear()
+    with pytest.raises(DataError, match=r"toy.parquet\[0\]: this row of the stream changed"):
+        got.samples[0].blob.read()
 
 
 def test_a_stopped_stream_read_resumes_where_it_was(

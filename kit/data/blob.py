@@ -94,7 +94,13 @@ class Blob:
         block's pass, see `kit.data.streamed.read_row`)."""
         if self.stream_block is not None:
             assert self.table is not None
-            return read_row(self.table, self.start, self.name)
+            data = read_row(self.table, self.start, self.name)
+            if sha256(data) != self.digest:  # the stream gave other rows than its scan saw
+                raise DataError(
+                    f"{self.name}: this row of the stream changed since it was scanned; run "
+                    "again (its data files' new identity starts a new scan)"
+                )
+            return data
         if self.table is not None:
             return cell_bytes(self.table, self.start)
         return read_range(self.location, self.start, self.size)
