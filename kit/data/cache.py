@@ -30,6 +30,7 @@ from kit.data.pairs import check_batchable, control_image
 from kit.data.paths import default_cache_dir
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
+from kit.data.shard_reads import in_read_order, process_share
 from kit.data.store import EntryStore, FileStore, auto_format, open_store
 from kit.errors import DataError
 
@@ -371,7 +372,8 @@ def fill_cache(
     (shards), also when encoding stops on an error, so that a resumed build redoes none of it.
 
     `share=(index, count)` encodes only this process's share of the missing entries: of the
-    dataset's entries in plan order (text: in key order), every `count`-th from `index`. The
+    dataset's entries in plan order (text: in key order), every `count`-th from `index`; the
+    members of tar shards in runs of whole shards (`shard_reads.process_share`). The
     shares are disjoint and do not depend on what is cached, so `count` processes building at
     once never encode an entry twice. A share leaves undecodable images in; the whole pass that
     follows (after every process finished its share) finds and drops them on every process
@@ -405,16 +407,19 @@ def _encode_missing(
     stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
     todo = [i for i, f in enumerate(data.latent_files) if not data.store.has(f)]
     stats["latents_reused"] = len(data.latent_files) - len(todo)
-    todo = [i for i in todo if i % share[1] == share[0]]  # this process's share
+    if share[1] > 1:  # this process's share
+        todo = sorted(set(todo) & process_share(data.samples, share))
     bad: dict[int, str] = {}
     vae_dtype = comps.vae.dtype if todo else None
     if todo:
         comps.vae.to(dtype=LATENT_DTYPE)  # back to its dtype once the latents are cached
     seen = views(cfg.data)
-    for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
+    # Shards are read front to back, once each, where enough of their members are missing.
+    reads = in_read_order(data.samples, todo)
+    for i, raw in tqdm(reads, "cache latents", len(todo), unit="img", disable=not show or not todo):
         s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
         try:
-            pixels = sample_pixels(s, p, seen[s.dataset].data)
+            pixels = sample_pixels(s, p, seen[s.dataset].data, raw)
             mask = bucket_mask(data.masks[i], p) if data.masks else None
         except BadImage as e:  # a file whose header read fine but whose pixels do not
             bad[i] = str(e)
