@@ -109,27 +109,56 @@ def test_s3_shards_are_read_once_each_and_cache_as_per_image_reads_do(
 def test_local_shards_stream_split_by_process_and_a_bad_member_is_skipped_alone(
     tmp_path, build, records, reads
 ):
-    """Four shards, two processes: each streams only its own two. A member whose header reads
-    but whose pixels do not (the middle of shard 1) is named with its shard and key and skipped
-    alone. A resumed cache missing one entry reads it by its range, not its whole shard."""
-    key, ext, data, _ = records[2]
-    records[2] = (key, ext, data[: len(data) * 2 // 3], "cut")  # its IDAT is cut short
-    pattern = write_shards(records, tmp_path / "shards", per_shard=2)
+    """Two shards, two processes: each streams only its own. A member whose header reads but
+    whose pixels do not (in the middle of shard 1) is named with its shard and key and skipped
+    alone; the members after it still come from the stream. A resumed cache missing one entry
+    reads it by its range, not its whole shard."""
+    key, ext, data, _ = records[5]
+    records[5] = (key, ext, data[: len(data) * 2 // 3], "cut")  # its IDAT is cut short
+    pattern = write_shards(records, tmp_path / "shards", per_shard=4)
     entry, cache = {"shards": pattern}, tmp_path / "cache"
     build("p0", entry, share=(0, 2), cache=cache)
-    assert reads == [("stream", "train-000000.tar"), ("stream", "train-000001.tar")]
+    assert reads == [("stream", "train-000000.tar")]
     reads.clear()
     build("p1", entry, share=(1, 2), cache=cache)
-    assert reads == [("stream", "train-000002.tar"), ("stream", "train-000003.tar")]
+    assert reads == [("stream", "train-000001.tar")]
     reads.clear()
     whole = build("after", entry, cache=cache)  # the whole pass after the shares
     assert reads == [("range", "train-000001.tar")]  # the bad member, tried again alone
     ((name, why),) = whole.skipped
     assert "train-000001.tar" in why and f"{key}.{ext}" in why, why
     assert len(whole.samples) == 7 and whole.missing()["latents"] == 0
-    whole.latent_files[5].unlink()
+    first = next(i for i, s in enumerate(whole.samples) if "000000.tar" in s.blob.location)
+    whole.latent_files[first].unlink()  # one entry of shard 0
     reads.clear()
     again = build("resumed", entry, cache=cache)
     assert again.stats["latents_encoded"] == 1
-    deleted = Path(whole.samples[5].blob.location).name
-    assert sorted(reads) == sorted([("range", "train-000001.tar"), ("range", deleted)])
+    assert sorted(reads) == [("range", "train-000000.tar"), ("range", "train-000001.tar")]
+
+
+def test_a_stream_in_small_chunks_or_lost_midway_gives_each_member_its_bytes(
+    tmp_path, records, monkeypatch
+):
+    """Members are cut out of chunks smaller than themselves exactly; a stream lost after its
+    first chunk hands the rest over as None (each then read by its range, alone)."""
+    from kit.config import from_dict
+    from kit.data.scan import scan
+
+    pattern = write_shards(records, tmp_path / "shards", per_shard=8)
+    samples = scan(from_dict({"datasets": [{"shards": pattern}]}).data).samples
+    monkeypatch.setattr(shard_reads, "CHUNK", 97)
+    got = dict(shard_reads.in_read_order(samples, range(8)))
+    assert got == {i: s.blob.read() for i, s in enumerate(samples)}
+    stream = shard_reads._chunks
+
+    def lost(location, end):
+        yield next(stream(location, end))
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(shard_reads, "CHUNK", 4096)
+    monkeypatch.setattr(shard_reads, "_chunks", lost)
+    order = list(shard_reads.in_read_order(samples, range(8)))
+    got = dict(order)
+    assert sorted(i for i, _ in order) == list(range(8))
+    handed = [i for i, data in got.items() if data is not None]
+    assert 0 < len(handed) < 8 and all(got[i] == samples[i].blob.read() for i in handed)

@@ -93,8 +93,8 @@ def _stream_members(
             for i in wanted[ranges[done]]:
                 yield i, data
             done += 1
-    except OSError:
-        pass  # the store lost the stream: the rest by range
+    except Exception:  # noqa: BLE001 — any failure of the stream (a lost connection, a
+        pass  # store's error): the members not yet handed over are read by range, each alone
     finally:
         chunks.close()
     for r in ranges[done:]:
