@@ -372,8 +372,8 @@ def fill_cache(
     (shards), also when encoding stops on an error, so that a resumed build redoes none of it.
 
     `share=(index, count)` encodes only this process's share of the missing entries: of the
-    dataset's entries in plan order (text: in key order), every `count`-th from `index`; the
-    members of tar shards in runs of whole shards (`shard_reads.process_share`). The
+    dataset's entries in plan order (text: in key order), every `count`-th from `index`; of tar
+    shards' members, one run in shard and byte order each (`shard_reads.process_share`). The
     shares are disjoint and do not depend on what is cached, so `count` processes building at
     once never encode an entry twice. A share leaves undecodable images in; the whole pass that
     follows (after every process finished its share) finds and drops them on every process
