@@ -30,6 +30,7 @@ from kit.data.pairs import check_batchable, control_image
 from kit.data.paths import default_cache_dir
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
+from kit.data.shard_reads import in_read_order, process_share
 from kit.data.store import EntryStore, FileStore, auto_format, open_store
 from kit.errors import DataError
 
@@ -371,8 +372,9 @@ def fill_cache(
     (shards), also when encoding stops on an error, so that a resumed build redoes none of it.
 
     `share=(index, count)` encodes only this process's share of the missing entries: of the
-    dataset's entries in plan order (text: in key order), every `count`-th from `index` (a
-    streamed row's latents: those of every `count`-th block of its stream, see `_owner`). The
+    dataset's entries in plan order (text: in key order), every `count`-th from `index`; of tar
+    shards' members, one run in shard and byte order each (`shard_reads.process_share`); of a
+    streamed row's latents, those of every `count`-th block of its stream (see `_owner`). The
     shares are disjoint and do not depend on what is cached, so `count` processes building at
     once never encode an entry twice. A share leaves undecodable images in; the whole pass that
     follows (after every process finished its share) finds and drops them on every process
@@ -406,17 +408,21 @@ def _encode_missing(
     stats = {"latents_encoded": 0, "latents_reused": 0, "text_encoded": 0, "text_reused": 0}
     todo = [i for i, f in enumerate(data.latent_files) if not data.store.has(f)]
     stats["latents_reused"] = len(data.latent_files) - len(todo)
-    todo = [i for i in todo if _owner(data.samples[i], i, share[1]) == share[0]]
+    if share[1] > 1:  # this process's share
+        mine = process_share(data.samples, share)
+        todo = [i for i in todo if _owner(data.samples[i], i, share, mine)]
     todo.sort(key=lambda i: _read_order(data.samples[i], i))
     bad: dict[int, str] = {}
     vae_dtype = comps.vae.dtype if todo else None
     if todo:
         comps.vae.to(dtype=LATENT_DTYPE)  # back to its dtype once the latents are cached
     seen = views(cfg.data)
-    for i in tqdm(todo, desc="cache latents", unit="img", disable=not show or not todo):
+    # Shards are read front to back, once each, where enough of their members are missing.
+    reads = in_read_order(data.samples, todo)
+    for i, raw in tqdm(reads, "cache latents", len(todo), unit="img", disable=not show or not todo):
         s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
         try:
-            pixels = sample_pixels(s, p, seen[s.dataset].data)
+            pixels = sample_pixels(s, p, seen[s.dataset].data, raw)
             mask = bucket_mask(data.masks[i], p) if data.masks else None
         except BadImage as e:  # a file whose header read fine but whose pixels do not
             bad[i] = str(e)
@@ -504,11 +510,12 @@ def _encode_missing(
     return data
 
 
-def _owner(sample: Sample, i: int, count: int) -> int:
-    """Which of `count` processes encodes entry `i`: every `count`-th; a streamed row, the owner
-    of its block of the stream, so that each process reads only its own blocks."""
+def _owner(sample: Sample, i: int, share: tuple[int, int], mine: set[int]) -> bool:
+    """Whether process `share[0]` of `share[1]` encodes entry `i`: a streamed row, if the
+    process owns its block of the stream (so that each reads only its own blocks); any other
+    entry, if `process_share` gave it to the process (`mine`)."""
     block = sample.blob.stream_block if sample.blob is not None else None
-    return (i if block is None else block) % count
+    return i in mine if block is None else block % share[1] == share[0]
 
 
 def _read_order(sample: Sample, i: int) -> tuple[Any, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,12 +18,18 @@ if TYPE_CHECKING:
     import torch
 
 
-def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torch.Tensor:
-    """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so."""
+def sample_pixels(
+    sample: Sample, placement: Placement, cfg: DataConfig, data: bytes | None = None
+) -> torch.Tensor:
+    """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so.
+
+    `data`: the sample's bytes when already read (a shard read front to back), else its blob is
+    read now."""
     if sample.blob is None:
         return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
     try:
-        im = open_rgb(sample.blob.open(), cfg.alpha_background, cfg.max_image_pixels)
+        raw = io.BytesIO(data) if data is not None else sample.blob.open()
+        im = open_rgb(raw, cfg.alpha_background, cfg.max_image_pixels)
     except BadImage as e:
         raise BadImage(f"unreadable image {sample.blob.name}: {e}") from None
     except OSError as e:  # the store refused or lost the read (after its own retries)

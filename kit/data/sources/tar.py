@@ -2,9 +2,10 @@
 up to its first dot: `000123.jpg`, `000123.txt`) are one sample, an image and its caption.
 
 Each shard is read once, front to back (a stream: one request for a remote shard), to take each
-image's size from its header and digest its bytes; the cache later reads one member by its byte
-range. A member that cannot be used is reported with its shard and key and skipped alone; a shard
-cut short keeps the samples before the cut.
+image's size from its header and digest its bytes; the cache build later reads it again front to
+back, or only a few missing members by their byte ranges (`kit.data.shard_reads`). A member
+that cannot be used is reported with its shard and key and skipped alone; a shard cut short
+keeps the samples before the cut.
 """
 
 from __future__ import annotations
