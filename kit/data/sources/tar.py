@@ -1,6 +1,10 @@
 """WebDataset tar shards as a training dataset: the members of a shard that share a key (the name
 up to its first dot: `000123.jpg`, `000123.txt`) are one sample, an image and its caption.
 
+An edit dataset's key also holds its control images, each a member named by `control_column`:
+`000123.control.png` (and `000123.control_1.png` for a second control) beside the target
+`000123.jpg`. The target is the key's image member with a plain extension (`jpg`, `png`).
+
 Each shard is read once, front to back (a stream: one request for a remote shard), to take each
 image's size from its header and digest its bytes; the cache later reads one member by its byte
 range. A member that cannot be used is reported with its shard and key and skipped alone; a shard
@@ -18,8 +22,8 @@ from kit.data.blob import Blob, expand_braces, filesystem, is_url, local_path, s
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources import index
-from kit.data.sources.common import add_sample, caption_text
-from kit.data.video import FRAME_EXTS
+from kit.data.sources.common import add_controls, add_sample, caption_text
+from kit.data.video import FRAME_EXTS, VIDEO_EXTS
 from kit.errors import DataError
 
 CAPTION_EXTS = ("txt", "caption", "json")
@@ -57,8 +61,9 @@ def scan_shards(view: DatasetView) -> ScanReport:
     names = shard_names(view.entry.shards)
     folder = index.scan_dir(view.data)
     parts: dict[str, ScanReport] = {}
+    controls = tuple(view.entry.control_column)
     for shard in index.rotated(names):  # each process of a launch starts at its own shards
-        name = index.key(shard, view.data)
+        name = index.key(shard, view.data, settings=controls)
         part = index.load(folder, name)
         if part is None:
             part = ScanReport()
@@ -198,16 +203,31 @@ def _flush(
     """Record the sample of one key (1), or why it is left out (0)."""
     if key is None or not group:
         return 0
-    image = next((e for e in group if "." + e.rsplit(".", 1)[-1] in FRAME_EXTS), None)
     where = f" (shard {shard}, key {key})"
+    wanted = [c.lower() for c in view.entry.control_column] if view.entry is not None else []
+    controls = {
+        c: [e for e in group if _is_image(e) and c in (e, e.rsplit(".", 1)[0])] for c in wanted
+    }
+    taken = {e for found in controls.values() for e in found}
+    images = [e for e in group if _is_image(e) and e not in taken]
+    # The target: a plain extension (`jpg`) before a named member (`seg.png`) that is none.
+    image = next((e for e in images if "." not in e), images[0] if images else None)
+    cap_ext = next((e for e in CAPTION_EXTS if e in group), None)
     if image is None:
-        caption = next((e for e in CAPTION_EXTS if e in group), None)
-        if caption is not None:
-            report.orphan_captions.append(Path(f"{shard}/{key}.{caption}"))
+        clip = next((e for e in group if "." + e.rsplit(".", 1)[-1] in VIDEO_EXTS), None)
+        if clip is not None:
+            report.skipped.append(
+                (
+                    Path(f"{shard}/{key}.{clip}"),
+                    f"a video member{where}: clips train from a folder (image_dir) of video "
+                    "files or frame folders, not from shards",
+                )
+            )
+        elif cap_ext is not None:
+            report.orphan_captions.append(Path(f"{shard}/{key}.{cap_ext}"))
         return 0
     start, size, data = group[image]
     name = f"{shard}/{key}.{image}"
-    cap_ext = next((e for e in CAPTION_EXTS if e in group), None)
     caption = None
     if cap_ext is not None:
         try:
@@ -216,6 +236,26 @@ def _flush(
             report.unreadable.append((Path(name), f"{e}{where}"))
             return 0
     blob = Blob(name, sha256(data), shard, start, size)
-    before = len(report.samples)
-    add_sample(report, view.data, blob, data, caption, where)
-    return len(report.samples) - before
+    if not add_sample(report, view.data, blob, data, caption, where):
+        return 0
+    if wanted:
+        found: list[tuple[str, Blob | None, bytes]] = []
+        for c, members in controls.items():
+            if len(members) > 1:
+                why = f"ambiguous control: {', '.join(f'{key}.{e}' for e in members)}{where}"
+                report.samples.pop()
+                report.skipped.append((Path(name), why))
+                return 0
+            if not members:
+                found.append((f"{key}.{c}.*", None, b""))
+                continue
+            start, size, data = group[members[0]]
+            member = f"{shard}/{key}.{members[0]}"
+            found.append((member, Blob(member, sha256(data), shard, start, size), data))
+        add_controls(report, view.data, found, where)
+    return 1 if report.samples and report.samples[-1].blob is blob else 0
+
+
+def _is_image(ext: str) -> bool:
+    """Whether a member's extension (`jpg`, `control.png`) ends in a still-image format."""
+    return "." + ext.rsplit(".", 1)[-1] in FRAME_EXTS

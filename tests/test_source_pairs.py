@@ -1,0 +1,228 @@
+"""Edit pairs, clips and captioning from dataset sources (a parquet dataset, tar shards): the same
+pairs as a folder's give the same cache entries and train a tiny Kontext; a missing or broken
+control is named and skipped; what the kit cannot do with a source is refused in one line."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from kit.config import from_dict
+from kit.data.sources.write import folder_records, write_parquet, write_shards
+from kit.errors import ConfigError, DataError, KitError
+
+datasets = pytest.importorskip("datasets")
+
+
+@pytest.fixture(autouse=True)
+def _hf_cache(tmp_path, monkeypatch):
+    """`datasets` prepares parquet into its cache: the test's own folder, not the user's."""
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # saved shard scans
+
+
+def _png(seed: int, size: tuple[int, int]) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture()
+def pairs(tmp_path):
+    """Three targets (64 × 64) with a 48 × 32 control each, as a folder pair and as records."""
+    data, controls = tmp_path / "data", tmp_path / "controls"
+    data.mkdir()
+    controls.mkdir()
+    for i, stem in enumerate("abc"):
+        (data / f"{stem}.png").write_bytes(_png(i, (64, 64)))
+        (data / f"{stem}.txt").write_text(f"make {stem} red")
+        (controls / f"{stem}.png").write_bytes(_png(10 + i, (48, 32)))
+    records = folder_records(data)
+    paired = {key: [("png", (controls / f"{key}.png").read_bytes())] for key, *_ in records}
+    return tmp_path, records, paired
+
+
+def _entry(source: str, where: str, **extra) -> dict:
+    return {"datasets": [{source: where, "control_column": "control", **extra}]}
+
+
+def _cfg(body: dict, family: str = "flux_kontext", **extra):
+    return from_dict({"model_family": family, "resolution": 64, **body, **extra})
+
+
+def test_pairs_from_parquet_and_shards_key_the_cache_as_the_folders(pairs):
+    """The same pairs as a folder, a parquet dataset and tar shards: equal target and control
+    cache keys (entries keyed by content), and a source's control reads the same pixels."""
+    import torch
+
+    from kit.data.cache import plan_cache
+    from kit.data.pairs import control_image, controls_of
+    from kit.families import get_family
+
+    root, records, paired = pairs
+    folder = {"image_dir": str(root / "data"), "control_dir": str(root / "controls")}
+    parquet = _entry("hf_dataset", str(write_parquet(records, root / "p.parquet", paired)))
+    shards = _entry("shards", write_shards(records, root / "shards", 2, paired))
+    planned = []
+    for body in (folder, parquet, shards):
+        cfg = _cfg(body, cache_dir=str(root / "cache"))
+        family = get_family("flux_kontext", cfg)
+        data = plan_cache(cfg, {"vae": "v", "text": "t"}, torch.float32, family=family)
+        planned.append(data)
+        assert len(data.samples) == 3
+    keys = [({*d.latent_files}, {f for fs in d.control_files for f in fs}) for d in planned]
+    assert keys[0] == keys[1] == keys[2] and len(keys[0][1]) == 3
+    place = planned[0].plan.placements[0]
+    images = [np.asarray(control_image(controls_of(d.samples[0])[0], place)) for d in planned]
+    assert all(np.array_equal(images[0], x) for x in images[1:])
+    # The sources' controls are named by their column or member, read lazily from their bytes.
+    assert [str(c) for c in planned[1].samples[0].controls] == ["p.parquet[0].control"]
+    assert planned[2].samples[0].controls[0].as_posix().endswith("train-000000.tar/a.control.png")
+
+
+def test_a_missing_or_broken_control_is_named_and_skipped(pairs):
+    from kit.data.pairs import unpaired
+    from kit.data.scan import scan
+    from kit.families import family_info
+
+    root, records, paired = pairs
+    paired["b"] = [("png", b"\x89PNG\r\n\x1a\n broken")]
+    del paired["c"]
+    kontext = family_info("flux_kontext")
+    parquet = _cfg(_entry("hf_dataset", str(write_parquet(records, root / "p.parquet", paired))))
+    shards = _cfg(_entry("shards", write_shards(records, root / "shards", 8, paired)))
+    for cfg in (parquet, shards):
+        for _ in range(2):  # the second scan reads the saved one: the same pairs and reasons
+            rep = scan(cfg.data, kontext)
+            assert [s.caption for s in rep.samples] == ["make a red"]
+            assert rep.samples[0].control_blobs[0].read() == paired["a"][0][1]
+            left = sorted((Path(f).name, why) for f, why in unpaired(rep))
+            assert [n for n, _ in left] in (["p.parquet[1]", "p.parquet[2]"], ["b.png", "c.png"])
+            assert left[0][1].startswith("unreadable control image") and "control" in left[0][1]
+            assert left[1][1].startswith("no control image")
+    shard_left = dict(unpaired(scan(shards.data, kontext)))
+    assert any("key c" in why and "c.control.*" in why for why in shard_left.values())
+    assert "train-000000.tar/b.control.png" in next(iter(shard_left.values()))
+    parquet_left = [why for _, why in unpaired(scan(parquet.data, kontext))]
+    assert "no control image in column 'control' of row 2" in parquet_left
+
+
+def test_pair_views_show_source_pairs(pairs):
+    """Notebook 01's pair sheet and notebook 02's / `kit buckets`' pair rows read a source's
+    pairs from their bytes."""
+    from kit.data.report import bucket_report, pair_rows
+    from kit.ui.pairs import dataset_pairs, pair_sheet
+
+    root, records, paired = pairs
+    cfg = _cfg(_entry("shards", write_shards(records, root / "shards", 8, paired)))
+    samples, left = dataset_pairs(cfg)
+    assert len(samples) == 3 and left == []
+    sheet = pair_sheet(samples, n=2, height=32)
+    assert sheet.size == (48 + 24 + 32, 2 * (14 + 32 + 4))
+    rows = pair_rows(bucket_report(cfg))
+    assert [(r["target"], r["controls"]) for r in rows] == [
+        (f"{k}.png", f"{k}.control.png") for k in "abc"
+    ]
+
+
+def test_a_kontext_run_trains_from_parquet_pairs(pairs, tiny_base, monkeypatch):
+    """A short Kontext run on parquet pairs: its grid shows control → result from the pair's
+    control (written into the run folder), and a folder of the same pairs then finds every
+    latent of its cache already there."""
+    import torch
+
+    from kit.config import load_config
+    from kit.data.cache import plan_cache
+    from kit.families import get_family
+    from kit.families.flux_kontext import FluxKontext
+    from kit.run.folder import open_run
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    monkeypatch.setattr(FluxKontext, "auto_resize", False)  # controls at their own size: small
+    root, records, paired = pairs
+    path = write_run_config(
+        root / "run.json",
+        base=tiny_base("flux_kontext"),
+        data=root / "data",
+        family="flux_kontext",
+        image_dir="",
+        control_dir=[],
+        datasets=[{"hf_dataset": str(write_parquet(records, root / "p.parquet", paired))}],
+        cache_dir=str(root / "cache"),
+        validation_prompt=[],
+        max_train_steps=2,
+        checkpointing_steps=2,
+        validation_num_inference_steps=1,
+    )
+    raw = json.loads(path.read_text())
+    raw["datasets"][0]["control_column"] = "control"
+    path.write_text(json.dumps(raw))
+    cfg = load_config(path)
+    assert train(cfg).step == 2
+    run = open_run(cfg.train.output_dir)
+    assert Image.open(run.validation_step(2) / "grid.png").width == 2 * 64  # control, result
+    drawn = [json.loads(p.read_text()) for p in sorted(run.validation_step(2).glob("*.json"))]
+    assert {d["prompt"] for d in drawn} == {"make a red", "make b red"}  # its first two pairs
+    for d in drawn:
+        (control,) = d["control"]
+        assert Path(control).parent == run.validation_controls
+        assert Path(control).read_bytes() == paired[d["prompt"].split()[1]][0][1]
+    folder = cfg.replace(
+        datasets=[], image_dir=str(root / "data"), control_dir=[str(root / "controls")]
+    )
+    family = get_family("flux_kontext", folder)
+    identity = family.identity(cfg.model.pretrained_model, cfg.model.revision)
+    data = plan_cache(folder, identity, torch.float32, family=family)
+    wanted = [*data.latent_files, *(f for fs in data.control_files for f in fs)]
+    assert len(wanted) == 6 and all(data.store.has(f) for f in wanted)
+
+
+def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path):
+    from kit.data.captioners import find_targets
+    from kit.data.scan import check_dataset
+    from kit.families import family_info
+
+    root, records, paired = pairs
+    parquet = str(write_parquet(records, root / "p.parquet", paired))
+    with pytest.raises(ConfigError, match="control_column: names an hf_dataset's column"):
+        _cfg({"datasets": [{"image_dir": str(root / "data"), "control_column": "control"}]})
+    with pytest.raises(ConfigError, match="control_dir: pairs the images of a local image_dir"):
+        _cfg({"datasets": [{"hf_dataset": parquet, "control_dir": str(root / "controls")}]})
+    with pytest.raises(ConfigError, match=r"set control_column .* KEY\.control\.png"):
+        check_dataset(
+            _cfg({"datasets": [{"hf_dataset": parquet}]}).data, family_info("flux_kontext")
+        )
+    with pytest.raises(ConfigError, match="control_column is set, but flux takes no control"):
+        check_dataset(_cfg(_entry("hf_dataset", parquet)).data, family_info("flux"))
+    with pytest.raises(DataError, match="has no column 'edit'"):
+        check_dataset(
+            _cfg(_entry("hf_dataset", parquet, control_column="edit")).data,
+            family_info("flux_kontext"),
+        )
+    # Captioners write files beside images: a dataset's rows have none.
+    with pytest.raises(
+        KitError, match=r"datasets\[0\] \(p.parquet\): hf_dataset .* caption column \(text\)"
+    ):
+        find_targets(_cfg(_entry("hf_dataset", parquet)))
+    shards = write_shards(records, root / "shards", 8)
+    with pytest.raises(KitError, match=r"shards .* \.txt member"):
+        find_targets(from_dict({"datasets": [{"shards": shards}]}))
+
+
+def test_a_video_member_of_a_shard_is_named_not_ignored(tmp_path):
+    """Clips train from folders: a shard's video member is skipped with why (it is never read)."""
+    from kit.data.scan import check_dataset
+    from kit.families import family_info
+
+    records = [("clip", "mp4", b"\0\0\0\x18ftypmp42", "a clip")]
+    shards = write_shards(records, tmp_path / "shards", 8)
+    cfg = from_dict({"model_family": "wan", "datasets": [{"shards": shards}]})
+    with pytest.raises(DataError, match=r"clip\.mp4: a video member .* not from shards"):
+        check_dataset(cfg.data, family_info("wan"))
