@@ -226,3 +226,12 @@ def test_a_video_member_of_a_shard_is_named_not_ignored(tmp_path):
     cfg = from_dict({"model_family": "wan", "datasets": [{"shards": shards}]})
     with pytest.raises(DataError, match=r"clip\.mp4: a video member .* not from shards"):
         check_dataset(cfg.data, family_info("wan"))
+    # A Video column: refused by name (its rows would otherwise each fail as an image).
+    features = datasets.Features({"image": datasets.Video(), "text": datasets.Value("string")})
+    clips = {"image": [{"bytes": records[0][2], "path": "clip.mp4"}], "text": ["a clip"]}
+    datasets.Dataset.from_dict(clips, features=features).to_parquet(str(tmp_path / "v.parquet"))
+    cfg = from_dict(
+        {"model_family": "wan", "datasets": [{"hf_dataset": str(tmp_path / "v.parquet")}]}
+    )
+    with pytest.raises(DataError, match=r"image_column 'image' holds videos; clips train from a"):
+        check_dataset(cfg.data, family_info("wan"))
