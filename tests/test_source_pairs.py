@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from kit.config import from_dict
@@ -59,8 +60,6 @@ def _cfg(body: dict, family: str = "flux_kontext", **extra):
 def test_pairs_from_parquet_and_shards_key_the_cache_as_the_folders(pairs):
     """The same pairs as a folder, a parquet dataset and tar shards: equal target and control
     cache keys (entries keyed by content), and a source's control reads the same pixels."""
-    import torch
-
     from kit.data.cache import plan_cache
     from kit.data.pairs import control_image, controls_of
     from kit.families import get_family
@@ -135,8 +134,6 @@ def test_a_kontext_run_trains_from_parquet_pairs(pairs, tiny_base, monkeypatch):
     """A short Kontext run on parquet pairs: its grid shows control → result from the pair's
     control (written into the run folder), and a folder of the same pairs then finds every
     latent of its cache already there."""
-    import torch
-
     from kit.config import load_config
     from kit.data.cache import plan_cache
     from kit.families import get_family
@@ -216,16 +213,69 @@ def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path):
         find_targets(from_dict({"datasets": [{"shards": shards}]}))
 
 
-def test_a_video_member_of_a_shard_is_named_not_ignored(tmp_path):
-    """Clips train from folders: a shard's video member is skipped with why (it is never read)."""
+def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_base):
+    """mp4 members of shards: the same clips, windows and cache keys as the same files in a
+    folder, the same pixels, a clip too short named with its key; a short Wan run trains on
+    them; an image family names and skips them."""
+    from kit.config import load_config
+    from kit.data.cache import plan_cache
+    from kit.data.pixels import sample_pixels
+    from kit.data.scan import check_dataset, scan
+    from kit.families import family_info, get_family
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+    from tests.test_frame_sampling import write_mp4
+
+    folder = tmp_path / "clips"
+    paths = [write_mp4(folder / f"c{i}.mp4", n) for i, n in enumerate((9, 7, 3))]
+    records = [(p.stem, "mp4", p.read_bytes(), p.with_suffix(".txt").read_text()) for p in paths]
+    shards = write_shards(records, tmp_path / "shards", 2)
+    body = {"model_family": "wan", "resolution": 64, "bucket_step": 32, "num_frames": 5}
+    folder_cfg = from_dict({**body, "image_dir": str(folder)})
+    shard_cfg = from_dict({**body, "datasets": [{"shards": shards}]})
+    wan = get_family("wan", shard_cfg)
+    planned = [
+        plan_cache(c, {"vae": "v", "text": "t"}, torch.float32, family=wan)
+        for c in (folder_cfg, shard_cfg)
+    ]
+    assert [(s.frames, s.total_frames, s.clip) for s in planned[1].samples] == [
+        (5, 9, True),
+        (5, 7, True),
+    ]
+    assert set(planned[0].latent_files) == set(planned[1].latent_files)
+    place = planned[0].plan.placements[0]
+    pixels = [
+        sample_pixels(d.samples[0], place, d_cfg.data)
+        for d, d_cfg in zip(planned, (folder_cfg, shard_cfg), strict=True)
+    ]
+    assert pixels[0].shape == (3, 5, 64, 64) and torch.equal(pixels[0], pixels[1])
+    for _ in range(2):  # and again from the saved scan
+        ((name, why),) = scan(shard_cfg.data, wan).short_clips
+        assert name.as_posix().endswith("train-000001.tar/c2.mp4") and "key c2" in why
+
+    path = write_run_config(
+        tmp_path / "run.json",
+        base=tiny_base("wan"),
+        data=folder,
+        family="wan",
+        image_dir="",
+        datasets=[{"shards": shards}],
+        num_frames=5,
+        max_train_steps=2,
+        validation_prompt=[],
+    )
+    assert train(load_config(path)).step == 2
+
+    flux = from_dict({"model_family": "flux", "datasets": [{"shards": shards}]})
+    with pytest.raises(DataError, match=r"c0\.mp4: a video member .* video family only"):
+        check_dataset(flux.data, family_info("flux"))
+
+
+def test_a_video_column_is_refused_by_name(tmp_path, pairs):
     from kit.data.scan import check_dataset
     from kit.families import family_info
 
-    records = [("clip", "mp4", b"\0\0\0\x18ftypmp42", "a clip")]
-    shards = write_shards(records, tmp_path / "shards", 8)
-    cfg = from_dict({"model_family": "wan", "datasets": [{"shards": shards}]})
-    with pytest.raises(DataError, match=r"clip\.mp4: a video member .* not from shards"):
-        check_dataset(cfg.data, family_info("wan"))
+    records = pairs[1]
     # A Video column: refused by name (its rows would otherwise each fail as an image).
     features = datasets.Features({"image": datasets.Video(), "text": datasets.Value("string")})
     clips = {"image": [{"bytes": records[0][2], "path": "clip.mp4"}], "text": ["a clip"]}

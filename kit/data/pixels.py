@@ -12,6 +12,7 @@ from kit.data import video
 from kit.data.buckets import Placement
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
 from kit.data.scan import Sample
+from kit.errors import DataError
 
 if TYPE_CHECKING:
     import torch
@@ -21,6 +22,15 @@ def sample_pixels(sample: Sample, placement: Placement, cfg: DataConfig) -> torc
     """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so."""
     if sample.blob is None:
         return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+    if placement.frames:  # a shard's video member: read by the same reader, from a copy
+        import torch
+
+        with video.as_file(sample.blob.read(), sample.blob.name) as path:
+            try:
+                frames = video.read_frames(path, placement.frames)
+            except DataError as e:  # named by the member, not by its temporary copy
+                raise DataError(str(e).replace(str(path), sample.blob.name)) from None
+        return torch.stack([_fit(f, placement) for f in frames], dim=1)
     try:
         im = open_rgb(sample.blob.open(), cfg.alpha_background, cfg.max_image_pixels)
     except BadImage as e:

@@ -47,15 +47,17 @@ def add_sample(
     header: bytes | memoryview,
     caption: str | None,
     where: str = "",
+    size: tuple[int, int] | None = None,
 ) -> bool:
     """Record one sample (True), or why it is left out (`where`: its shard and key, for the
     reason).
 
     `caption` None: the source has no caption for it (with `caption_strategy` textfile).
+    `size`: its width and height when already known (a clip's), else read from `header`.
     """
     name = Path(blob.name)
     try:
-        w, h = header_size(header, cfg)
+        w, h = size or header_size(header, cfg)
     except BadImage as e:
         report.unreadable.append((name, f"{e}{where}"))
         return False

@@ -25,7 +25,7 @@ from kit.io import write_text
 VERSION = 3
 """Bumped when what a saved scan holds changes: older ones are then scanned again."""
 _LISTS = ("missing_captions", "orphan_captions", "empty_captions")
-_PAIRS = ("unreadable", "skipped", "warnings")
+_PAIRS = ("unreadable", "skipped", "warnings", "short_clips")
 
 
 def scan_dir(cfg: DataConfig) -> Path:
@@ -80,6 +80,9 @@ def load(folder: Path, name: str | None) -> ScanReport | None:
         sample.mask = _blob(extra["mask"]) if "mask" in extra else None
         sample.control_blobs = [_blob(c) for c in extra.get("controls", [])]
         sample.controls = [Path(c.name) for c in sample.control_blobs]
+        if "clip" in extra:
+            sample.frames, sample.total_frames = extra["clip"]
+            sample.clip = True
         report.samples.append(sample)
     for f in _LISTS:
         getattr(report, f).extend(Path(p) for p in raw[f])
@@ -119,8 +122,10 @@ def _blob(row: list[Any]) -> Blob:
 
 
 def _extra(sample: Sample) -> dict[str, Any]:
-    """What a sample holds besides its image: its mask, its controls."""
+    """What a sample holds besides its image: its mask, its controls; a clip's frames."""
     out: dict[str, Any] = {}
+    if sample.clip:
+        out["clip"] = [sample.frames, sample.total_frames]
     if sample.mask is not None:
         out["mask"] = _row(sample.mask)
     if sample.control_blobs:

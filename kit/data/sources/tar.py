@@ -1,6 +1,10 @@
 """WebDataset tar shards as a training dataset: the members of a shard that share a key (the name
 up to its first dot: `000123.jpg`, `000123.txt`) are one sample, an image and its caption.
 
+A video family reads a key whose media is a video member (`000123.mp4`, `.webm`, `.mov`, `.mkv`,
+`.gif`) as a clip, as it reads a video file in a folder (the member is handed to the same reader
+as a temporary file); any other family names it and skips it.
+
 An edit dataset's key also holds its control images, each a member named by `control_column`:
 `000123.control.png` (and `000123.control_1.png` for a second control) beside the target
 `000123.jpg`. The target is the key's image member with a plain extension (`jpg`, `png`).
@@ -16,8 +20,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from PIL import UnidentifiedImageError
+
+from kit.data import video
 from kit.data.blob import Blob, expand_braces, filesystem, is_url, local_path, sha256
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
@@ -55,19 +62,24 @@ def split_key(member: str) -> tuple[str, str]:
     return (folder + "/" + stem if folder else stem), ext.lower() if dot else ""
 
 
-def scan_shards(view: DatasetView) -> ScanReport:
-    """Every sample of every shard the entry's `shards` pattern names."""
+def scan_shards(view: DatasetView, family: Any = None) -> ScanReport:
+    """Every sample of every shard the entry's `shards` pattern names; a video family's (or,
+    with no family, every) video member as a clip."""
     assert view.entry is not None
     names = shard_names(view.entry.shards)
     folder = index.scan_dir(view.data)
     parts: dict[str, ScanReport] = {}
-    controls = tuple(view.entry.control_column)
+    cfg, clips = view.data, family is None or family.video
+    rule = family.frame_count if family is not None and family.video else None
+    # A clip's frames follow the family's rule: a scan that reads clips is kept per family.
+    reads = [getattr(family, "name", ""), cfg.num_frames, cfg.frame_stride] if clips else []
+    controls = (*view.entry.control_column, *reads)
     for shard in index.rotated(names):  # each process of a launch starts at its own shards
         name = index.key(shard, view.data, settings=controls)
         part = index.load(folder, name)
         if part is None:
             part = ScanReport()
-            _read_shard(shard, view, part)
+            _read_shard(shard, view, part, (clips, rule))
             index.save(folder, name, part)
         parts[shard] = part
     report = ScanReport()
@@ -77,7 +89,7 @@ def scan_shards(view: DatasetView) -> ScanReport:
     return report
 
 
-def _read_shard(shard: str, view: DatasetView, report: ScanReport) -> None:
+def _read_shard(shard: str, view: DatasetView, report: ScanReport, clips: tuple) -> None:
     with _open(shard) as f:
         group: dict[str, tuple[int, int, bytes]] = {}
         key = None
@@ -86,7 +98,7 @@ def _read_shard(shard: str, view: DatasetView, report: ScanReport) -> None:
             for name, start, data in members(f):
                 k, ext = split_key(name)
                 if k != key:
-                    done += _flush(shard, key, group, view, report)
+                    done += _flush(shard, key, group, view, report, clips)
                     key, group = k, {}
                 group[ext] = (start, len(data), data)
         except NotATar as e:
@@ -100,7 +112,7 @@ def _read_shard(shard: str, view: DatasetView, report: ScanReport) -> None:
                 (Path(shard), f"shard cut short after {done} sample(s) ({e}); its rest is skipped")
             )
             group = {}
-        done += _flush(shard, key, group, view, report)
+        done += _flush(shard, key, group, view, report, clips)
 
 
 class NotATar(Exception):
@@ -199,8 +211,10 @@ def _flush(
     group: dict[str, tuple[int, int, bytes]],
     view: DatasetView,
     report: ScanReport,
+    clips: tuple[bool, Any] = (False, None),
 ) -> int:
-    """Record the sample of one key (1), or why it is left out (0)."""
+    """Record the sample of one key (1), or why it is left out (0). `clips`: whether video
+    members are read as clips, and the family's frame rule."""
     if key is None or not group:
         return 0
     where = f" (shard {shard}, key {key})"
@@ -213,21 +227,20 @@ def _flush(
     # The target: a plain extension (`jpg`) before a named member (`seg.png`) that is none.
     image = next((e for e in images if "." not in e), images[0] if images else None)
     cap_ext = next((e for e in CAPTION_EXTS if e in group), None)
-    if image is None:
-        clip = next((e for e in group if "." + e.rsplit(".", 1)[-1] in VIDEO_EXTS), None)
-        if clip is not None:
-            report.skipped.append(
-                (
-                    Path(f"{shard}/{key}.{clip}"),
-                    f"a video member{where}: clips train from a folder (image_dir) of video "
-                    "files or frame folders, not from shards",
-                )
-            )
-        elif cap_ext is not None:
+    clip = next((e for e in group if "." + e.rsplit(".", 1)[-1] in VIDEO_EXTS), None)
+    if image is None and clip is not None and not clips[0]:
+        why = f"a video member{where}: read as a clip by a video family only"
+        report.skipped.append((Path(f"{shard}/{key}.{clip}"), why))
+        return 0
+    if image is None and clip is None:
+        if cap_ext is not None:
             report.orphan_captions.append(Path(f"{shard}/{key}.{cap_ext}"))
         return 0
-    start, size, data = group[image]
-    name = f"{shard}/{key}.{image}"
+    # A video family trains a key's clip, not a still beside it (a video dataset's thumbnail).
+    media = clip if clip is not None and clips[0] else image
+    assert media is not None
+    start, size, data = group[media]
+    name = f"{shard}/{key}.{media}"
     caption = None
     if cap_ext is not None:
         try:
@@ -236,6 +249,8 @@ def _flush(
             report.unreadable.append((Path(name), f"{e}{where}"))
             return 0
     blob = Blob(name, sha256(data), shard, start, size)
+    if media == clip:
+        return _add_clip(report, view, blob, data, caption, where, clips[1])
     if not add_sample(report, view.data, blob, data, caption, where):
         return 0
     if wanted:
@@ -254,6 +269,38 @@ def _flush(
             found.append((member, Blob(member, sha256(data), shard, start, size), data))
         add_controls(report, view.data, found, where)
     return 1 if report.samples and report.samples[-1].blob is blob else 0
+
+
+def _add_clip(
+    report: ScanReport,
+    view: DatasetView,
+    blob: Blob,
+    data: bytes,
+    caption: str | None,
+    where: str,
+    rule: Any,
+) -> int:
+    """Record a video member as a clip (1), read as a folder's video file is; or why not (0)."""
+    cfg, name = view.data, Path(blob.name)
+    try:
+        with video.as_file(data, blob.name) as tmp:
+            try:
+                w, h, total = video.clip_info(tmp)
+            except (DataError, UnidentifiedImageError, OSError) as e:
+                why = str(e).replace(str(tmp), blob.name) or type(e).__name__
+                report.unreadable.append((name, f"{why}{where}"))
+                return 0
+    except OSError as e:  # no room for the temporary file
+        raise DataError(f"cannot read clip {blob.name}: {e}") from None
+    frames, short = video.clip_frames(total, cfg.num_frames, cfg.frame_stride, rule)
+    if short:
+        report.short_clips.append((name, f"{short}{where}"))
+        return 0
+    if not add_sample(report, cfg, blob, b"", caption, where, size=(w, h)):
+        return 0
+    sample = report.samples[-1]
+    sample.frames, sample.total_frames, sample.clip = frames, total, True
+    return 1
 
 
 def _is_image(ext: str) -> bool:
