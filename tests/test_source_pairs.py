@@ -112,6 +112,27 @@ def test_a_missing_or_broken_control_is_named_and_skipped(pairs):
     assert "no control image in column 'control' of row 2" in parquet_left
 
 
+def test_several_controls_per_target_keep_their_order(pairs):
+    """FLUX.2's references from shards and a parquet dataset: `control`, then `control_1`."""
+    from kit.data.scan import scan
+    from kit.families import family_info
+
+    root, records, paired = pairs
+    two = {k: [*v, ("png", _png(20 + i, (32, 48)))] for i, (k, v) in enumerate(paired.items())}
+    names = ["control", "control_1"]
+    for source, where in (
+        ("shards", write_shards(records, root / "shards", 8, two)),
+        ("hf_dataset", str(write_parquet(records, root / "p.parquet", two))),
+    ):
+        cfg = _cfg({"datasets": [{source: where, "control_column": names}]}, "flux2")
+        (first, *_) = scan(cfg.data, family_info("flux2")).samples
+        assert [b.read() for b in first.control_blobs] == [b for _, b in two["a"]]
+        assert [c.name for c in first.controls] in (
+            ["a.control.png", "a.control_1.png"],
+            ["p.parquet[0].control", "p.parquet[0].control_1"],
+        )
+
+
 def test_pair_views_show_source_pairs(pairs):
     """Notebook 01's pair sheet and notebook 02's / `kit buckets`' pair rows read a source's
     pairs from their bytes."""
@@ -181,8 +202,10 @@ def test_a_kontext_run_trains_from_parquet_pairs(pairs, tiny_base, monkeypatch):
     assert len(wanted) == 6 and all(data.store.has(f) for f in wanted)
 
 
-def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path):
+def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path, capsys):
+    from kit.cli import main
     from kit.data.captioners import find_targets
+    from kit.data.datasets import views
     from kit.data.scan import check_dataset
     from kit.families import family_info
 
@@ -203,6 +226,8 @@ def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path):
             _cfg(_entry("hf_dataset", parquet, control_column="edit")).data,
             family_info("flux_kontext"),
         )
+    with pytest.raises(ConfigError, match="control_dir: pairs the images of a local image_dir"):
+        views(_cfg({"image_dir": "s3://bucket/data", "control_dir": str(root / "controls")}).data)
     # Captioners write files beside images: a dataset's rows have none.
     with pytest.raises(
         KitError, match=r"datasets\[0\] \(p.parquet\): hf_dataset .* caption column \(text\)"
@@ -211,6 +236,14 @@ def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path):
     shards = write_shards(records, root / "shards", 8)
     with pytest.raises(KitError, match=r"shards .* \.txt member"):
         find_targets(from_dict({"datasets": [{"shards": shards}]}))
+    # `kit caption` says so in one line, and writes nothing.
+    config = tmp_path / "c.json"
+    config.write_text(json.dumps({"datasets": [{"shards": shards}]}))
+    capsys.readouterr()
+    assert main(["caption", str(config), "--captioner", "wd14"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "captioners write a caption file" in err
+    assert sorted(p.name for p in (root / "shards").iterdir()) == ["train-000000.tar"]
 
 
 def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_base):

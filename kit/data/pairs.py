@@ -18,7 +18,6 @@ from typing import Any
 from PIL import Image
 
 from kit.config import DataConfig
-from kit.config.sources import URL
 from kit.data import video
 from kit.data.blob import Blob
 from kit.data.datasets import DatasetView, views
@@ -90,12 +89,6 @@ def pair_controls(report: Any, cfg: DataConfig, family: Any = None) -> Any:
 
 
 def _pair_view(report: Any, view: DatasetView) -> None:
-    if URL.match(view.data.image_dir):
-        raise DataError(
-            f"{view.where or 'control_dir'}: control_dir pairs the images of a local folder, and "
-            f"{view.data.image_dir} is a URL; write the pairs as tar shards (control_column) or "
-            "copy the folder here"
-        )
     image_dir = Path(view.data.image_dir)
     folders = [Path(f) for f in view.data.control_dir]
     for folder in folders:
