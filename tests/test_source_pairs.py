@@ -262,6 +262,7 @@ def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_bas
     folder = tmp_path / "clips"
     paths = [write_mp4(folder / f"c{i}.mp4", n) for i, n in enumerate((9, 7, 3))]
     records = [(p.stem, "mp4", p.read_bytes(), p.with_suffix(".txt").read_text()) for p in paths]
+    records.append(("bad", "mp4", b"\0\0\0\x18ftypmp42 cut", "a broken clip"))
     shards = write_shards(records, tmp_path / "shards", 2)
     body = {"model_family": "wan", "resolution": 64, "bucket_step": 32, "num_frames": 5}
     folder_cfg = from_dict({**body, "image_dir": str(folder)})
@@ -283,8 +284,12 @@ def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_bas
     ]
     assert pixels[0].shape == (3, 5, 64, 64) and torch.equal(pixels[0], pixels[1])
     for _ in range(2):  # and again from the saved scan
-        ((name, why),) = scan(shard_cfg.data, wan).short_clips
+        rep = scan(shard_cfg.data, wan)
+        ((name, why),) = rep.short_clips
         assert name.as_posix().endswith("train-000001.tar/c2.mp4") and "key c2" in why
+        ((name, why),) = rep.unreadable  # named by its member, not by its temporary copy
+        assert name.name == "bad.mp4" and "key bad" in why and "\n" not in why
+        assert why.startswith(f"unreadable clip {name}: ")
 
     path = write_run_config(
         tmp_path / "run.json",

@@ -287,7 +287,7 @@ def _add_clip(
             try:
                 w, h, total = video.clip_info(tmp)
             except (DataError, UnidentifiedImageError, OSError) as e:
-                why = str(e).replace(str(tmp), blob.name) or type(e).__name__
+                why = str(e).replace(str(tmp), blob.name).split("\n", 1)[0] or type(e).__name__
                 report.unreadable.append((name, f"{why}{where}"))
                 return 0
     except OSError as e:  # no room for the temporary file
