@@ -323,3 +323,23 @@ def test_a_video_column_is_refused_by_name(tmp_path, pairs):
     )
     with pytest.raises(DataError, match=r"image_column 'image' holds videos; clips train from a"):
         check_dataset(cfg.data, family_info("wan"))
+
+
+def test_families_count_a_sources_controls_as_control_folders():
+    """What a family checks of its controls (how many; none for image-to-video) counts a
+    source's control columns as it counts control folders."""
+    from kit.families import get_family
+
+    def entry(shards, n):
+        return {"shards": shards, "control_column": ["control", "control_1"][:n]}
+
+    one_two = {"datasets": [entry("a-{0..1}.tar", 1), entry("b-{0..1}.tar", 2)]}
+    with pytest.raises(ConfigError, match="takes one control image per target, 2 are given"):
+        get_family("qwen_image_edit", _cfg(one_two, "qwen_image_edit"))  # the Edit base
+    with pytest.raises(ConfigError, match=r"give 1 or 2 reference image\(s\) per target"):
+        get_family("flux2", _cfg(one_two, "flux2", train_batch_size=2, bucket_step=64))
+    from kit.families.wan_i2v import ImageToVideo, check_run
+
+    i2v = ImageToVideo(first_frame=False, image_encoder=False, frame=0)
+    with pytest.raises(ConfigError, match="remove control_dir \\(or a dataset's control_column\\)"):
+        check_run(i2v, _cfg({"datasets": [entry("a-{0..1}.tar", 1)]}, "wan"), 5)
