@@ -252,6 +252,7 @@ def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_bas
     them; an image family names and skips them."""
     from kit.config import load_config
     from kit.data.cache import plan_cache
+    from kit.data.masks import plan_masks
     from kit.data.pixels import sample_pixels
     from kit.data.scan import check_dataset, scan
     from kit.families import family_info, get_family
@@ -290,6 +291,10 @@ def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_bas
         ((name, why),) = rep.unreadable  # named by its member, not by its temporary copy
         assert name.name == "bad.mp4" and "key bad" in why and "\n" not in why
         assert why.startswith(f"unreadable clip {name}: ")
+
+    masked = from_dict({**body, "masked_loss": True, "datasets": [{"shards": shards}]})
+    with pytest.raises(DataError, match="c0.mp4: a clip from shards has no mask to train with"):
+        plan_masks(masked, wan)
 
     path = write_run_config(
         tmp_path / "run.json",
