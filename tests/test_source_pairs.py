@@ -16,6 +16,7 @@ from PIL import Image
 from kit.config import from_dict
 from kit.data.sources.write import folder_records, write_parquet, write_shards
 from kit.errors import ConfigError, DataError, KitError
+from tests.test_sources import s3  # noqa: F401 (the S3 server fixture)
 
 datasets = pytest.importorskip("datasets")
 
@@ -348,3 +349,17 @@ def test_families_count_a_sources_controls_as_control_folders():
     i2v = ImageToVideo(first_frame=False, image_encoder=False, frame=0)
     with pytest.raises(ConfigError, match="remove control_dir \\(or a dataset's control_column\\)"):
         check_run(i2v, _cfg({"datasets": [entry("a-{0..1}.tar", 1)]}, "wan"), 5)
+
+
+def test_a_clip_in_a_bucket_is_named_not_ignored(s3):  # noqa: F811 (the fixture, imported)
+    from kit.data.scan import scan
+    from kit.families import family_info
+
+    for name, data in (("a.png", _png(0, (64, 64))), ("c.mp4", b"clip"), ("c.txt", b"x")):
+        s3.pipe(f"kit-data/v/{name}", data)
+    s3.pipe("kit-data/v/a.txt", b"a still")
+    cfg = from_dict({"model_family": "wan", "image_dir": "s3://kit-data/v"})
+    rep = scan(cfg.data, family_info("wan"))
+    assert [s.caption for s in rep.samples] == ["a still"]
+    ((name, why),) = rep.skipped
+    assert name.as_posix().endswith("kit-data/v/c.mp4") and why.startswith("a clip in a bucket")
