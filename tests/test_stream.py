@@ -138,6 +138,8 @@ def test_streaming_refuses_what_it_cannot_read(tmp_path, records):
         from_dict({"datasets": [{"shards": "a-{0..1}.tar", "streaming": True}]})
     with pytest.raises(ConfigError, match="mask_column: masks are not read from a stream"):
         from_dict(streamed(path, mask_column="mask"))
+    with pytest.raises(ConfigError, match="control_column: control images are not read from a"):
+        from_dict(streamed(path, control_column="control"))
     with pytest.raises(ConfigError, match="masked_loss: masks are not read from a stream"):
         from_dict(streamed(path, masked_loss=True))
     with pytest.raises(DataError, match="masked_loss: masks are not read from a stream"):

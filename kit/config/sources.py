@@ -34,6 +34,11 @@ class SourceFields:
     mask_column: str = ""
     """`hf_dataset`: a column of loss masks for `masked_loss` (white = learn), each the size of
     its image; empty: the images' alpha channel."""
+    control_column: list[str] = field(default_factory=list)
+    """Edit models: where each target's control (reference) images are, one name per control.
+    `hf_dataset`: a column of images (an edit dataset's input-image column). `shards`: a
+    member of each key (`control` reads `KEY.control.png` or any image extension; a second
+    control is often `control_1`). A row or key without one is named and skipped."""
     shards: str = field(default="", metadata=SHARDS)
     """WebDataset tar shards, a path or URL pattern (`data/train-{000000..000099}.tar`,
     `s3://bucket/train-{0000..0999}.tar`): per key an image and a caption (.txt, .caption, or
@@ -55,12 +60,35 @@ class SourceFields:
             raise ConfigError(
                 "generate: class images are drawn into a local image_dir; give the entry one"
             )
+        if self.control_column and not (self.hf_dataset or self.shards):
+            raise ConfigError(
+                "control_column: names an hf_dataset's column or a shard member; a folder's "
+                "controls are given by control_dir"
+            )
+        if getattr(self, "control_dir", None) and (
+            self.hf_dataset or self.shards or URL.match(folder)
+        ):
+            raise ConfigError(
+                "control_dir: pairs the images of a local image_dir; for an hf_dataset or "
+                "shards, name the controls' column or member with control_column"
+            )
+        if len(set(self.control_column)) != len(self.control_column) or not all(
+            c.strip() for c in self.control_column
+        ):
+            raise ConfigError(
+                f"control_column: {self.control_column} repeats or holds an empty name"
+            )
         if self.mask_column and not self.hf_dataset:
             raise ConfigError("mask_column: masks are read from an hf_dataset's column")
         if self.streaming and not self.hf_dataset:
             raise ConfigError(
                 "streaming: only an hf_dataset is streamed (shards and URLs are read in place "
                 "already); set it false"
+            )
+        if self.streaming and self.control_column:
+            raise ConfigError(
+                "control_column: control images are not read from a stream; set streaming false "
+                "(the dataset is then downloaded once) for an edit dataset"
             )
         if self.streaming and (self.mask_column or getattr(self, "masked_loss", None)):
             key = "mask_column" if self.mask_column else "masked_loss"
@@ -83,6 +111,7 @@ SOURCE_FIELDS = (
     "image_column",
     "caption_column",
     "mask_column",
+    "control_column",
     "shards",
     "streaming",
 )

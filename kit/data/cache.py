@@ -21,12 +21,13 @@ import torch
 from kit.config import Config
 from kit.data import video
 from kit.data.augment import augmentation_enabled, caption_variants
+from kit.data.blob import Blob
 from kit.data.buckets import BucketPlan, plan_dataset, with_mirrored
 from kit.data.datasets import views, weighted
 from kit.data.images import BadImage
 from kit.data.masks import MaskSource, bucket_mask, latent_mask, plan_masks
 from kit.data.masks import masked as any_masked
-from kit.data.pairs import check_batchable, control_image
+from kit.data.pairs import check_batchable, control_image, controls_of
 from kit.data.paths import default_cache_dir
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
@@ -281,7 +282,7 @@ def plan_cache(
     # prompt) keys a sample's texts by its controls as well: their bytes and the target's
     # placement (a mirrored twin's controls are mirrored), so an edited control misses them too.
     prompt_keys = [
-        ("controls", *(file_digest(c) for c in s.controls), p.record()) if s.controls else ()
+        ("controls", *(_digest(c) for c in controls_of(s)), p.record()) if s.controls else ()
         for s, p in zip(samples, plan.placements, strict=True)
     ]
     if not getattr(family, "prompt_controls", False):
@@ -303,7 +304,7 @@ def plan_cache(
     # its own entry only. Never a posterior sample: the pipelines encode controls to the mode.
     rule = ("control", cfg.model.model_family, str(LATENT_DTYPE))
     control_files = [
-        [latent_dir / f"{_key(file_digest(c), p.record(), *rule)}.safetensors" for c in s.controls]
+        [latent_dir / f"{_key(_digest(c), p.record(), *rule)}.safetensors" for c in controls_of(s)]
         for s, p in zip(samples, plan.placements, strict=True)
     ]
     if any(control_files) and cfg.train.train_batch_size > 1 and hasattr(family, "control_size"):
@@ -336,6 +337,12 @@ def plan_cache(
         control_files=control_files if any(control_files) else [],
         text_controls=text_controls,
     )
+
+
+def _digest(control: Path | Blob) -> str:
+    """What keys a control: its bytes' SHA-256, taken by its source's scan or read from its file
+    (equal for the same image either way, so a pair moved into a dataset keeps its entries)."""
+    return control.digest if isinstance(control, Blob) else file_digest(control)
 
 
 def _text_path(text_dir: Path, dtype: str, text: str, *extra: Any) -> Path:
@@ -461,7 +468,7 @@ def _encode_missing(
         s, p, f = data.samples[i], data.plan.placements[i], data.control_files[i][r]
         d = seen[s.dataset].data
         try:
-            image = control_image(s.controls[r], p, d.alpha_background, d.max_image_pixels)
+            image = control_image(controls_of(s)[r], p, d.alpha_background, d.max_image_pixels)
         except BadImage as e:
             bad[i] = str(e)
             continue
@@ -543,7 +550,7 @@ def _encode_texts(
     for s, p in owners:
         d = seen[s.dataset].data
         controls.append(
-            [control_image(c, p, d.alpha_background, d.max_image_pixels) for c in s.controls]
+            [control_image(c, p, d.alpha_background, d.max_image_pixels) for c in controls_of(s)]
         )
     return family.encode_text(comps, [t for _, t in chunk], controls=controls)
 

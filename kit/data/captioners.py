@@ -28,6 +28,7 @@ from kit.data.captions import Change, apply_edit, diff_text
 from kit.data.datasets import views
 from kit.data.images import open_rgb
 from kit.data.scan import caption_path, scan
+from kit.data.sources import describe, elsewhere
 from kit.errors import DataError, KitError
 from kit.families import get_family
 
@@ -376,6 +377,8 @@ def find_targets(cfg: Config | DataConfig, overwrite: bool = False) -> list[Capt
     plans = []
     for view in views(cfg.data if isinstance(cfg, Config) else cfg):
         name, data = view.name, view.data
+        if elsewhere(view):
+            raise KitError(f"{view.where or 'image_dir'}: {refused_source(view)}")
         if data.caption_strategy != "textfile":
             raise KitError(
                 f"caption_strategy: captioners write caption files, but dataset {name} has "
@@ -394,6 +397,23 @@ def find_targets(cfg: Config | DataConfig, overwrite: bool = False) -> list[Capt
         targets.sort(key=lambda t: str(t.image))
         plans.append(CaptionPlan(name, data, targets, kept=kept))
     return plans
+
+
+def refused_source(view: Any) -> str:
+    """Why a dataset that is no local folder cannot be captioned here, and what to do instead."""
+    entry = view.entry
+    where = describe(view)
+    if entry is not None and entry.hf_dataset:
+        instead = f"put the captions in its caption column ({entry.caption_column})"
+    elif entry is not None and entry.shards:
+        instead = "put each caption in its key's .txt member"
+    else:
+        instead = "write the caption files beside its images there"
+    return (
+        f"{where}: captioners write a caption file beside each image, which a dataset's rows, "
+        f"a shard's members or a bucket's objects cannot take; caption a local folder before "
+        f"moving it into the source, or {instead}"
+    )
 
 
 def plan_captions(

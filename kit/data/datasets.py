@@ -50,6 +50,11 @@ class DatasetView:
 def views(data: DataConfig) -> list[DatasetView]:
     """Every dataset of the data section, in config order (one for the single-folder form)."""
     if not data.datasets:
+        if data.control_dir and URL.match(data.image_dir):
+            raise ConfigError(
+                f"control_dir: pairs the images of a local image_dir, and {data.image_dir} is a "
+                "URL; write the pairs as tar shards (shards, control_column) or copy them here"
+            )
         name = Path(data.image_dir).name if data.image_dir else "images"
         return [DatasetView(0, name, data)]
     out = []

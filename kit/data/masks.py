@@ -166,6 +166,11 @@ def mask_source(sample: Sample, cfg: DataConfig, view: DatasetView | None = None
     if not view.data.masked_loss:
         # A dataset trained whole (its own `masked_loss: false`) beside masked ones.
         return MaskSource(image, None, WHOLE, where.label)
+    if sample.blob is not None and sample.clip:
+        raise DataError(
+            f"{where.label}: {sample.blob.name}: a clip from shards has no mask to train with; "
+            "train clips with masks from a folder (mask_dir), or set masked_loss false for it"
+        )
     if sample.blob is not None:
         return _source_mask(sample, cfg, where.label)
     if where.mask_dir is None:

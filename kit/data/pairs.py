@@ -2,7 +2,8 @@
 
 A dataset's `control_dir` is one folder, or one per reference; a target `sub/cat.png` of
 `image_dir` pairs with the image of relative stem `sub/cat` (any image extension) in each control
-folder. The scan leaves out every target lacking a control and names every control lacking its
+folder. A Hugging Face dataset or tar shards name their controls with `control_column` (a column,
+a member of each key): their scan pairs them (`kit.data.sources`), read lazily as Blobs. The scan leaves out every target lacking a control and names every control lacking its
 target, before anything is cached. A control is placed as its target is (the same mirror and
 the same crop, in proportion to its own size), then resized by the family's pipeline rule
 (`Family.control_pixels`), so a pair stays aligned whatever the bucket.
@@ -18,6 +19,7 @@ from PIL import Image
 
 from kit.config import DataConfig
 from kit.data import video
+from kit.data.blob import Blob
 from kit.data.datasets import DatasetView, views
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb, probe
 from kit.errors import ConfigError, DataError
@@ -29,21 +31,31 @@ def check_family(cfg: DataConfig, family: Any) -> None:
     `family` is the family or its `FamilyInfo` (which knows the same, without torch)."""
     for view in views(cfg):
         where = view.where or "the data section"
-        given = len(view.data.control_dir)
+        entry = view.entry
+        named = list(entry.control_column) if entry is not None else []
+        key, given = ("control_column", len(named)) if named else ("control_dir", 0)
+        given = given or len(view.data.control_dir)
         if given and not family.control_images:
             raise ConfigError(
-                f"{where}: control_dir is set, but {family.name} takes no control images; "
-                "remove control_dir or train an edit family (flux_kontext)"
+                f"{where}: {key} is set, but {family.name} takes no control images; "
+                f"remove {key} or train an edit family (flux_kontext)"
             )
         if given > family.control_images:
             raise ConfigError(
-                f"{where}: control_dir lists {given} folders, but {family.name} takes at most "
+                f"{where}: {key} lists {given} controls, but {family.name} takes at most "
                 f"{family.control_images} control image(s) per target"
             )
         if family.needs_control and not given:
+            source = entry is not None and (entry.hf_dataset or entry.shards)
             raise ConfigError(
-                f"{where}: {family.name} is an edit model and trains on pairs; set control_dir "
-                "to the folder of control images paired with the targets by name"
+                f"{where}: {family.name} is an edit model and trains on pairs; "
+                + (
+                    "set control_column to the column (hf_dataset) or member (shards: "
+                    "`control` for KEY.control.png) of each target's control image"
+                    if source
+                    else "set control_dir to the folder of control images paired with the "
+                    "targets by name"
+                )
             )
 
 
@@ -118,23 +130,38 @@ def _pair_view(report: Any, view: DatasetView) -> None:
 
 def unpaired(report: Any) -> list[tuple[Path, str]]:
     """The files the pairing left out (targets without controls, controls without targets)."""
-    marks = ("no control image", "ambiguous control", "control image without")
+    marks = (
+        "no control image",
+        "ambiguous control",
+        "control image without",
+        "unreadable control image",
+    )
     return [(p, why) for p, why in report.skipped if why.startswith(marks)]
 
 
+def controls_of(sample: Any) -> list[Path | Blob]:
+    """A sample's controls as they are read: Blobs from a source, else its control files."""
+    return list(sample.control_blobs) or list(sample.controls)
+
+
+def _opened(control: Path | Blob) -> Any:
+    return control.open() if isinstance(control, Blob) else control
+
+
 def control_image(
-    path: Path,
+    path: Path | Blob,
     placement: Any,
     background: str = "white",
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> Image.Image:
-    """A control as its target was placed: mirrored alike, and cropped to the same part of the
-    picture (the target's crop in proportion to the control's own size); not yet resized.
-    `placement` is the target's `kit.data.buckets.Placement`."""
+    """A control (a file, or a source's Blob) as its target was placed: mirrored alike, and
+    cropped to the same part of the picture (the target's crop in proportion to the control's
+    own size); not yet resized. `placement` is the target's `kit.data.buckets.Placement`."""
+    name = path.name if isinstance(path, Blob) else path
     try:
-        im = open_rgb(path, background, max_pixels)
-    except BadImage as e:
-        raise BadImage(f"unreadable control image {path}: {e}") from None
+        im = open_rgb(_opened(path), background, max_pixels)
+    except (BadImage, OSError) as e:  # OSError: a store that refused or lost the read
+        raise BadImage(f"unreadable control image {name}: {e}") from None
     if placement.flip:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     box = _crop_box(im.size, placement)
@@ -157,9 +184,10 @@ def check_batchable(
     different sizes: they could not share a batch. Reads image headers only."""
     sizes: dict[tuple[Any, int], dict[tuple[int, int], Path]] = {}
     for sample, placement in zip(samples, placements, strict=True):
-        for r, control in enumerate(sample.controls):
+        for r, control in enumerate(controls_of(sample)):
             seen = sizes.setdefault((placement.bucket, r), {})
-            seen.setdefault(resized_control(control, placement, family, cfg), Path(control))
+            size = resized_control(control, placement, family, cfg)
+            seen.setdefault(size, sample.controls[r])
             if len(seen) > 1:
                 (a, fa), (b, fb) = list(seen.items())[:2]
                 raise DataError(
@@ -169,10 +197,12 @@ def check_batchable(
                 )
 
 
-def resized_control(path: Path, placement: Any, family: Any, cfg: DataConfig) -> tuple[int, int]:
+def resized_control(
+    path: Path | Blob, placement: Any, family: Any, cfg: DataConfig
+) -> tuple[int, int]:
     """The (width, height) a control trains at: cropped as its target was, then resized by the
     family's pipeline rule (`Family.control_size`). Reads the image's header only."""
-    w, h = probe(path, cfg.max_image_pixels)
+    w, h = probe(_opened(path), cfg.max_image_pixels)
     box = _crop_box((w, h), placement)
     if box is not None:
         w, h = box[2] - box[0], box[3] - box[1]

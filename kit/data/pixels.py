@@ -13,6 +13,7 @@ from kit.data import video
 from kit.data.buckets import Placement
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
 from kit.data.scan import Sample
+from kit.errors import DataError
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,15 @@ def sample_pixels(
     read now."""
     if sample.blob is None:
         return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+    if placement.frames:  # a shard's video member: read by the same reader, from a copy
+        import torch
+
+        with video.as_file(sample.blob.read(), sample.blob.name) as path:
+            try:
+                frames = video.read_frames(path, placement.frames)
+            except DataError as e:  # named by the member, not by its temporary copy
+                raise DataError(str(e).replace(str(path), sample.blob.name)) from None
+        return torch.stack([_fit(f, placement) for f in frames], dim=1)
     try:
         raw = io.BytesIO(data) if data is not None else sample.blob.open()
         im = open_rgb(raw, cfg.alpha_background, cfg.max_image_pixels)

@@ -11,7 +11,7 @@ from kit.config import Config
 from kit.data.buckets import epoch_batches, group_name, plan_dataset
 from kit.data.datasets import views
 from kit.data.masks import masked, plan_masks
-from kit.data.pairs import resized_control, unpaired
+from kit.data.pairs import controls_of, resized_control, unpaired
 from kit.data.scan import check_dataset
 from kit.families import family_class, family_info
 
@@ -54,7 +54,7 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
             row["control_sizes"] = [
                 [
                     _wxh(resized_control(c, plan.placements[i], sizer, cfg.data))
-                    for c in samples[i].controls
+                    for c in controls_of(samples[i])
                 ]
                 for i in idx
             ]

@@ -36,12 +36,16 @@ class Sample:
     The scan gives one sample per clip; bucketing splits a clip into its windows, so caption
     tools still see each file once."""
     controls: list[Path] = field(default_factory=list)
-    """Edit models: the control images paired with this target, one per `control_dir`."""
+    """Edit models: the control images paired with this target, one per `control_dir` (from a
+    source, one per `control_column`: then only their names; `control_blobs` reads them)."""
     blob: Blob | None = None
     """Where the image's bytes are when it is no local file (a dataset row, a tar shard's member,
     an object in a bucket); `image` then only names it. None: `image` is the file."""
     mask: Blob | None = None
     """The loss mask read with the sample from its source (`mask_column`), for `masked_loss`."""
+    control_blobs: list[Blob] = field(default_factory=list)
+    """Where the controls' bytes are when they come from a source (a dataset's control column, a
+    shard's control member), one per `controls`; empty: `controls` are the files."""
 
 
 @dataclass

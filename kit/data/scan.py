@@ -267,12 +267,12 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     """
     if not cfg.datasets:
         (view,) = views(cfg)
-        found = scan_source(view) if elsewhere(view) else scan_folder(cfg, family)
+        found = scan_source(view, family) if elsewhere(view) else scan_folder(cfg, family)
         return pair_controls(found, cfg, family)
     report = ScanReport()
     for view in views(cfg):
         try:
-            part = scan_source(view) if elsewhere(view) else scan_folder(view.data, family)
+            part = scan_source(view, family) if elsewhere(view) else scan_folder(view.data, family)
         except DataError as e:
             raise DataError(f"{view.where}: {e}") from None
         for sample in part.samples:
@@ -373,7 +373,7 @@ def scan_folder(cfg: DataConfig, family: Any = None) -> ScanReport:
                 report.empty_captions.append(Path(cap))
         frames = 1
         if is_clip:
-            frames, short = _clip_frames(total, cfg, rule)
+            frames, short = video.clip_frames(total, cfg.num_frames, cfg.frame_stride, rule)
             if short:
                 report.short_clips.append((Path(where), short))
                 continue
@@ -429,25 +429,6 @@ def _counts_as_clip(tree: _Tree, rel: str, first_frame: str, cfg: DataConfig, fa
     if first_frame and caption_path(tree.path(first_frame), cfg, False).is_file():
         return False
     return family is not None or caption_path(tree.path(rel), cfg, bool(first_frame)).is_file()
-
-
-def _clip_frames(total: int, cfg: DataConfig, rule: Any) -> tuple[int, str]:
-    """Frames a clip trains on, and why it is too short ("" when it is not).
-
-    A clip shorter than `num_frames` gives the largest count the family allows; it is too short
-    when that is below the family's smallest clip (Wan: 5 frames), as one frame is no motion.
-    """
-    frames = video.usable_frames(total, cfg.num_frames, cfg.frame_stride, rule)
-    if rule is None:
-        return frames, "" if frames else "has no frames"
-    target = rule(cfg.num_frames)
-    smallest = next((n for n in range(2, target + 1) if rule(n) == n), target)
-    if frames >= smallest:
-        return frames, ""
-    need = (smallest - 1) * cfg.frame_stride + 1
-    return frames, (
-        f"has {total} frame(s); {smallest} frames at frame_stride {cfg.frame_stride} need {need}"
-    )
 
 
 def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:

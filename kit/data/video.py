@@ -13,8 +13,11 @@ sample of its own, with its own cache entry, so a long clip is not reduced to it
 
 from __future__ import annotations
 
+import os
 import random
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
@@ -149,6 +152,40 @@ def usable_frames(
     reachable = (total - 1) // stride + 1 if total > 0 else 0
     n = min(wanted, reachable)
     return rule(n) if rule is not None and n > 0 else n
+
+
+def clip_frames(
+    total: int, num_frames: int, frame_stride: int, rule: Callable[[int], int] | None
+) -> tuple[int, str]:
+    """Frames a clip trains on, and why it is too short ("" when it is not).
+
+    A clip shorter than `num_frames` gives the largest count the family allows; it is too short
+    when that is below the family's smallest clip (Wan: 5 frames), as one frame is no motion.
+    """
+    frames = usable_frames(total, num_frames, frame_stride, rule)
+    if rule is None:
+        return frames, "" if frames else "has no frames"
+    target = rule(num_frames)
+    smallest = next((n for n in range(2, target + 1) if rule(n) == n), target)
+    if frames >= smallest:
+        return frames, ""
+    need = (smallest - 1) * frame_stride + 1
+    return frames, (
+        f"has {total} frame(s); {smallest} frames at frame_stride {frame_stride} need {need}"
+    )
+
+
+@contextmanager
+def as_file(data: bytes | memoryview, name: str) -> Iterator[Path]:
+    """A clip's bytes (a tar shard's video member) as a temporary file with its name's suffix,
+    for the readers that take a path (ffmpeg, PIL's GIF); removed afterwards."""
+    fd, tmp = tempfile.mkstemp(suffix=Path(name).suffix.lower())
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        yield Path(tmp)
+    finally:
+        os.unlink(tmp)
 
 
 def select_frames(total: int, count: int, stride: int, start: str, key: str) -> tuple[int, ...]:

@@ -247,13 +247,16 @@ class Flux2(Family):
             raise ConfigError(
                 f"bucket_step: {step} must be a multiple of 16 for flux2 (64 is usual)"
             )
-        counts = sorted({len(d.control_dir) for d in self.cfg.data.datasets})
+        # A dataset's references: its control folders, or its source's control columns.
+        counts = sorted(
+            {len(d.control_dir) + len(d.control_column) for d in self.cfg.data.datasets}
+        )
         if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
             # A batch stacks each reference's latents: its samples need one count of them.
             raise ConfigError(
-                f"datasets: their control_dir lists give {' or '.join(map(str, counts))} "
-                "reference image(s) per target, but a flux2 batch takes one count: give every "
-                "dataset as many control folders, or set train_batch_size 1"
+                f"datasets: their control_dir (or control_column) lists give "
+                f"{' or '.join(map(str, counts))} reference image(s) per target, but a flux2 batch "
+                "takes one count: give every dataset as many controls, or set train_batch_size 1"
             )
 
     # ------------------------------------------------------------ variants
@@ -516,9 +519,10 @@ class Flux2(Family):
         return (kwargs.pop("hidden_states"),), kwargs
 
     def _references_configured(self) -> int:
-        """The most reference folders a dataset of the config gives each target."""
+        """The most reference folders (or columns) a dataset of the config gives each target."""
         data = self.cfg.data
-        return max([len(data.control_dir), *(len(d.control_dir) for d in data.datasets)])
+        given = (len(d.control_dir) + len(d.control_column) for d in data.datasets)
+        return max([len(data.control_dir), *given])
 
     # ------------------------------------------------------------ tiny copy
 

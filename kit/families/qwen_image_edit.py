@@ -214,9 +214,13 @@ class QwenImageEdit(QwenImage):
                 )
 
     def _configured_controls(self) -> int:
-        """The most control folders a dataset of the config pairs its targets with."""
+        """The most control folders (or a source's control columns) a dataset of the config pairs
+        its targets with."""
         data = self.cfg.data
-        return max(len(getattr(d, "control_dir", None) or ()) for d in [data, *data.datasets])
+        return max(
+            len(getattr(d, "control_dir", None) or ()) + len(getattr(d, "control_column", ()))
+            for d in [data, *data.datasets]
+        )
 
     # ------------------------------------------------------------ which model
 

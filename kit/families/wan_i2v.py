@@ -121,10 +121,10 @@ def check_run(i2v: ImageToVideo | None, cfg: Any, frames: int) -> None:
             f"(0 to {frames - 1})"
         )
     data = cfg.data
-    if data.control_dir or any(d.control_dir for d in data.datasets):
+    if data.control_dir or any(d.control_dir or d.control_column for d in data.datasets):
         raise ConfigError(
             "control_dir: image-to-video conditions each clip on its own frame "
-            "(condition_frame); remove control_dir"
+            "(condition_frame); remove control_dir (or a dataset's control_column)"
         )
     v = cfg.validation
     if (data.image_dir or data.datasets) and not v.validation_prompts:

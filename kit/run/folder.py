@@ -51,6 +51,12 @@ class RunDir:
         return self.root / "validation"
 
     @property
+    def validation_controls(self) -> Path:
+        """The controls of an edit run's default grid that came from a dataset or shards (its
+        pairs' control images, written as files: a grid's entry names its controls by file)."""
+        return self.validation / "controls"
+
+    @property
     def exports(self) -> Path:
         return self.root / "exports"
 

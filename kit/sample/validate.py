@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import asdict, replace
@@ -40,12 +41,16 @@ def default_prompts(cfg: Config, captions: list[str], n: int = 2) -> list[str]:
     return seen or ["a photo"]
 
 
-def pair_prompts(cfg: Config, family: Family, samples: list[Any], n: int = 2) -> list[Any]:
+def pair_prompts(
+    cfg: Config, family: Family, samples: list[Any], n: int = 2, folder: Path | None = None
+) -> list[Any]:
     """An edit model's default grid: when no validation prompt is configured, the first `n`
     training pairs of distinct captions as `validation_prompts` entries (caption + controls),
     so every grid shows control → result; [] otherwise. A family whose prompts are read with
     their controls (`Family.prompt_controls`) draws each configured `validation_prompt` on the
-    first training pair's controls: without them it would not be the edit it is trained for."""
+    first training pair's controls: without them it would not be the edit it is trained for.
+    Controls from a source (a dataset's column, a shard's member) are written into `folder`
+    (the run's `validation_controls`) first: an entry names its controls by file."""
     v = cfg.validation
     if not family.control_images or v.validation_prompts:
         return []
@@ -53,16 +58,35 @@ def pair_prompts(cfg: Config, family: Family, samples: list[Any], n: int = 2) ->
         first = next((s for s in samples if s.controls), None)
         if not family.prompt_controls or first is None:
             return []
-        control = [str(c) for c in first.controls]
+        control = _control_files(first, folder)
         return [ValidationPrompt(prompt=p, control=control) for p in v.validation_prompt]
     entries: list[ValidationPrompt] = []
     for sample in samples:
         if sample.controls and sample.caption not in {e.prompt for e in entries}:
-            control = [str(c) for c in sample.controls]
+            control = _control_files(sample, folder)
             entries.append(ValidationPrompt(prompt=sample.caption or "a photo", control=control))
         if len(entries) == n:
             break
     return entries
+
+
+def _control_files(sample: Any, folder: Path | None) -> list[str]:
+    """A pair's controls as files: its own, or its source's bytes written once into `folder`,
+    each named by its digest and format (`3f2a....png`)."""
+    if not sample.control_blobs:
+        return [str(c) for c in sample.controls]
+    if folder is None:
+        raise KitError(f"{sample.image}: its controls come from its source; give a folder")
+    out = []
+    for blob in sample.control_blobs:
+        data = blob.read()
+        with Image.open(io.BytesIO(data)) as im:
+            ext = (im.format or "png").lower().replace("jpeg", "jpg")
+        path = folder / f"{blob.digest[:16]}.{ext}"
+        if not path.is_file():
+            write_with(path, lambda tmp, data=data: tmp.write_bytes(data))
+        out.append(str(path))
+    return out
 
 
 def prompt_rows(

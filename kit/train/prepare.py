@@ -119,7 +119,7 @@ def prepare(
     holdout = _holdout(cfg, identity, text_dtype, family)
     # An edit model with no validation prompt draws its first training pairs: control → result
     # (one whose prompts are read with their controls, its prompts on the first pair's).
-    edits = pair_prompts(cfg, family, data.kept())
+    edits = pair_prompts(cfg, family, data.kept(), folder=run.validation_controls)
     if edits:
         v = replace(cfg.validation, validation_prompts=edits, validation_prompt=[])
         cfg = replace(cfg, validation=v)

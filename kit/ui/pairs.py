@@ -9,7 +9,8 @@ from typing import Any
 from PIL import Image
 
 from kit.config import Config
-from kit.data.pairs import unpaired
+from kit.data.blob import Blob
+from kit.data.pairs import controls_of, unpaired
 from kit.data.scan import scan
 from kit.export.edits import fitted, stack, strip
 from kit.families import family_info
@@ -27,7 +28,8 @@ def pair_sheet(samples: list[Any], n: int = 6, height: int = 96) -> Image.Image 
     caption; None without pairs."""
     rows = [
         strip(
-            [fitted(c, height) for c in s.controls] + [fitted(s.image, height)],
+            [fitted(_picture(c), height) for c in controls_of(s)]
+            + [fitted(_picture(s.blob or s.image), height)],
             len(s.controls),
             f"{Path(s.image).name}: {s.caption or ''}",
         )
@@ -35,3 +37,8 @@ def pair_sheet(samples: list[Any], n: int = 6, height: int = 96) -> Image.Image 
         if s.controls
     ]
     return stack(rows) if rows else None
+
+
+def _picture(image: Any) -> Any:
+    """A file to open, or a source's Blob as the bytes it holds."""
+    return image.open() if isinstance(image, Blob) else image

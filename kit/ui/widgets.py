@@ -62,7 +62,10 @@ def show_images(paths: Iterable[str | Path | Sample], width: int = 160) -> Any:
 
     cells = []
     for p in paths:
-        if isinstance(p, Sample):
+        if isinstance(p, Sample) and p.blob is not None and p.clip:  # a shard's video member
+            with video.as_file(p.blob.read(), p.blob.name) as copy:
+                p, raw = p.image, _png_bytes(copy, width)
+        elif isinstance(p, Sample):
             p, raw = p.image, (p.blob.read() if p.blob is not None else Path(p.image).read_bytes())
         else:
             raw = _png_bytes(p, width) if video.is_clip(Path(p)) else Path(p).read_bytes()

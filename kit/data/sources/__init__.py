@@ -8,6 +8,7 @@ are, so captions, repeats, roles, buckets, the cache and resume treat every sour
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kit.data.blob import is_url
 from kit.data.datasets import DatasetView
@@ -47,11 +48,12 @@ def owns(view: DatasetView, name: str | Path) -> bool:
     return text.startswith(str(Path(view.data.image_dir)))
 
 
-def scan_source(view: DatasetView) -> ScanReport:
-    """Scan a dataset that `elsewhere` says is not a local folder."""
+def scan_source(view: DatasetView, family: Any = None) -> ScanReport:
+    """Scan a dataset that `elsewhere` says is not a local folder. `family` decides, as for a
+    folder, whether clips are read (a video family, or none given)."""
     entry = view.entry
     if entry is not None and entry.hf_dataset:
         return scan_stream(view) if entry.streaming else scan_hf(view)
     if entry is not None and entry.shards:
-        return scan_shards(view)
-    return scan_url_folder(view)
+        return scan_shards(view, family)
+    return scan_url_folder(view, family)

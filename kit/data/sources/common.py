@@ -47,28 +47,58 @@ def add_sample(
     header: bytes | memoryview,
     caption: str | None,
     where: str = "",
-) -> None:
-    """Record one sample, or why it is left out (`where`: its shard and key, for the reason).
+    size: tuple[int, int] | None = None,
+) -> bool:
+    """Record one sample (True), or why it is left out (`where`: its shard and key, for the
+    reason).
 
     `caption` None: the source has no caption for it (with `caption_strategy` textfile).
+    `size`: its width and height when already known (a clip's), else read from `header`.
     """
     name = Path(blob.name)
     try:
-        w, h = header_size(header, cfg)
+        w, h = size or header_size(header, cfg)
     except BadImage as e:
         report.unreadable.append((name, f"{e}{where}"))
-        return
+        return False
     smallest = cfg.min_image_size
     if w < smallest or h < smallest:
         report.skipped.append((name, f"too small: {w}x{h}, under min_image_size {smallest} px"))
-        return
+        return False
     if cfg.caption_strategy == "instanceprompt":
         caption = cfg.instance_prompt
     elif cfg.caption_strategy == "filename":
         caption = name.stem.replace("_", " ").strip()
     elif caption is None:
         report.missing_captions.append(name)
-        return
+        return False
     elif not caption:
         report.empty_captions.append(name)
     report.samples.append(Sample(name, caption, w, h, blob=blob))
+    return True
+
+
+def add_controls(
+    report: ScanReport,
+    cfg: DataConfig,
+    controls: list[tuple[str, Blob | None, bytes | memoryview]],
+    where: str = "",
+) -> None:
+    """Give the sample just recorded its controls, each (what names it, its Blob or None when
+    the row or key has none, its bytes): a sample whose control is missing or cannot be read is
+    moved to `report.skipped`, the control named, as a folder's unpaired target is."""
+    sample = report.samples[-1]
+    for name, blob, data in controls:
+        if blob is None or not len(data):
+            why = f"no control image {name}{where}"
+        else:
+            try:
+                header_size(data, cfg)
+                continue
+            except BadImage as e:
+                why = f"unreadable control image {name}: {e}{where}"
+        report.samples.pop()
+        report.skipped.append((sample.image, why))
+        return
+    sample.control_blobs = [b for _, b, _ in controls if b is not None]  # every one, checked
+    sample.controls = [Path(b.name) for b in sample.control_blobs]

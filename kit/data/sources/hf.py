@@ -12,7 +12,7 @@ from kit.data.blob import Blob, open_dataset, read_range, sha256
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources import index
-from kit.data.sources.common import add_sample
+from kit.data.sources.common import add_controls, add_sample
 from kit.errors import DataError
 
 BLOCK = 10_000
@@ -25,8 +25,11 @@ def scan_hf(view: DatasetView) -> ScanReport:
     assert entry is not None
     name, split = entry.hf_dataset, entry.split
     ds = open_dataset(name, split)
-    for key in ("image_column", "caption_column", "mask_column"):
-        column = getattr(entry, key)
+    wanted = [("image_column", entry.image_column), ("caption_column", entry.caption_column)]
+    wanted += [("mask_column", entry.mask_column)] + [
+        ("control_column", c) for c in entry.control_column
+    ]
+    for key, column in wanted:
         needed = key == "image_column" or (
             cfg.caption_strategy == "textfile" if key == "caption_column" else bool(column)
         )
@@ -35,12 +38,20 @@ def scan_hf(view: DatasetView) -> ScanReport:
                 f"hf_dataset {name} ({split}) has no column {column!r} "
                 f"(its columns: {', '.join(ds.column_names)}); set {key}"
             )
+    kind = type(ds.features.get(entry.image_column)).__name__
+    if kind == "Video":  # decoded by `datasets` as a video: the kit reads clips from folders
+        raise DataError(
+            f"hf_dataset {name} ({split}): image_column {entry.image_column!r} holds videos; "
+            "clips train from a folder of video files or frame folders (image_dir), not from "
+            "an hf_dataset"
+        )
     ident = _identity(ds)
     folder = index.scan_dir(cfg)
     blocks = [(a, min(a + BLOCK, len(ds))) for a in range(0, len(ds), BLOCK)]
     parts: dict[tuple[int, int], ScanReport] = {}
     for rows in index.rotated(blocks):  # each process of a launch starts at its own rows
         columns = f"{entry.image_column} {entry.caption_column} {entry.mask_column}"
+        columns += "".join(f" control {c}" for c in entry.control_column)
         unit = f"{name} ({split}) {columns} rows {rows}"
         key = index.key(unit, cfg, ident)
         part = index.load(folder, key)
@@ -79,7 +90,8 @@ def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
     label = entry.source_name()
     report = ScanReport()
     cell = (entry.hf_dataset, entry.split, entry.image_column)
-    masks = _masks(table, entry, rows[0]) if entry.mask_column else None
+    masks = _blobs(table, entry, entry.mask_column, rows[0]) if entry.mask_column else None
+    controls = [_blobs(table, entry, c, rows[0]) for c in entry.control_column]
     row = rows[0]
     for chunk in images.chunks:
         struct = chunk.type.num_fields > 0
@@ -87,24 +99,35 @@ def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
             data = _cell(chunk, i, struct)
             text = None if captions is None else captions[row - rows[0]]
             blob = Blob(f"{label}[{row}]", sha256(data), start=row, size=len(data), table=cell)
-            add_sample(report, cfg, blob, data, None if text is None else str(text).strip())
-            if masks is not None and report.samples and report.samples[-1].blob is blob:
-                report.samples[-1].mask = masks[row - rows[0]]
+            at = row - rows[0]
+            if add_sample(report, cfg, blob, data, None if text is None else str(text).strip()):
+                if masks is not None:
+                    report.samples[-1].mask = masks[at][0]
+                if controls:
+                    found = [
+                        (f"in column {c!r} of row {row}", *col[at])
+                        for c, col in zip(entry.control_column, controls, strict=True)
+                    ]
+                    add_controls(report, cfg, found)
             row += 1
     return report
 
 
-def _masks(table: Any, entry: Any, first: int) -> list[Blob]:
-    """Each row's mask, as a Blob read lazily (its digest taken now)."""
-    out = []
-    cell = (entry.hf_dataset, entry.split, entry.mask_column)
+def _blobs(
+    table: Any, entry: Any, column: str, first: int
+) -> list[tuple[Blob, bytes | memoryview]]:
+    """Each row's image of another column (a mask, a control) as a Blob read lazily (its digest
+    taken now), with its bytes for a header read (empty for a row without one)."""
+    out: list[tuple[Blob, bytes | memoryview]] = []
+    cell = (entry.hf_dataset, entry.split, column)
     row = first
-    for chunk in table.column(entry.mask_column).chunks:
+    for chunk in table.column(column).chunks:
         struct = chunk.type.num_fields > 0
         for i in range(len(chunk)):
             data = _cell(chunk, i, struct)
-            name = f"{entry.source_name()}[{row}].{entry.mask_column}"
-            out.append(Blob(name, sha256(data), start=row, size=len(data), table=cell))
+            name = f"{entry.source_name()}[{row}].{column}"
+            blob = Blob(name, sha256(data), start=row, size=len(data), table=cell)
+            out.append((blob, data))
             row += 1
     return out
 

@@ -22,10 +22,10 @@ from kit.data.paths import default_cache_dir
 from kit.data.samples import Sample, ScanReport
 from kit.io import write_text
 
-VERSION = 2
+VERSION = 3
 """Bumped when what a saved scan holds changes: older ones are then scanned again."""
 _LISTS = ("missing_captions", "orphan_captions", "empty_captions")
-_PAIRS = ("unreadable", "skipped", "warnings")
+_PAIRS = ("unreadable", "skipped", "warnings", "short_clips")
 
 
 def scan_dir(cfg: DataConfig) -> Path:
@@ -48,9 +48,10 @@ def identity(shard: str) -> list[Any] | None:
         return None
 
 
-def key(shard: str, cfg: DataConfig, ident: Any = ()) -> str | None:
+def key(shard: str, cfg: DataConfig, ident: Any = (), settings: Any = ()) -> str | None:
     """The saved scan's name: the shard (or a part of a dataset), its identity (by default the
-    shard's own, see `identity`) and the settings the scan applied."""
+    shard's own, see `identity`) and the settings the scan applied (`settings`: the entry's own,
+    such as its control members)."""
     ident = identity(shard) if ident == () else ident
     if ident is None:
         return None
@@ -59,6 +60,7 @@ def key(shard: str, cfg: DataConfig, ident: Any = ()) -> str | None:
         cfg.instance_prompt,
         cfg.min_image_size,
         cfg.max_image_pixels,
+        list(settings),
     ]
     return hashlib.sha256(repr((VERSION, shard, ident, used)).encode()).hexdigest()[:32]
 
@@ -72,11 +74,16 @@ def load(folder: Path, name: str | None) -> ScanReport | None:
     except (OSError, ValueError):
         return None
     report = ScanReport()
-    for name_, caption, w, h, digest, location, start, size, *mask in raw["samples"]:
-        table = tuple(location) if isinstance(location, list) else None  # a dataset's cell
-        blob = Blob(name_, digest, "" if table else location, start, size, table)
-        masked = Blob(mask[0], mask[1], "", start, mask[2], tuple(mask[3])) if mask else None
-        report.samples.append(Sample(Path(name_), caption, w, h, blob=blob, mask=masked))
+    for name_, caption, w, h, digest, location, start, size, extra in raw["samples"]:
+        blob = _blob([name_, digest, location, start, size])  # as `_row` saved it
+        sample = Sample(Path(name_), caption, w, h, blob=blob)
+        sample.mask = _blob(extra["mask"]) if "mask" in extra else None
+        sample.control_blobs = [_blob(c) for c in extra.get("controls", [])]
+        sample.controls = [Path(c.name) for c in sample.control_blobs]
+        if "clip" in extra:
+            sample.frames, sample.total_frames = extra["clip"]
+            sample.clip = True
+        report.samples.append(sample)
     for f in _LISTS:
         getattr(report, f).extend(Path(p) for p in raw[f])
     for f in _PAIRS:
@@ -89,9 +96,7 @@ def save(folder: Path, name: str | None, report: ScanReport) -> None:
     if name is None:
         return
     samples = [
-        [s.blob.name, s.caption, s.width, s.height, s.blob.digest, s.blob.table or s.blob.location]
-        + [s.blob.start, s.blob.size]
-        + ([s.mask.name, s.mask.digest, s.mask.size, s.mask.table] if s.mask is not None else [])
+        [s.blob.name, s.caption, s.width, s.height, *_row(s.blob)[1:], _extra(s)]
         for s in report.samples
         if s.blob is not None
     ]
@@ -103,6 +108,29 @@ def save(folder: Path, name: str | None, report: ScanReport) -> None:
         write_text(folder / f"{name}.json", json.dumps(raw, separators=(",", ":")))
     except OSError:
         pass  # a read-only cache folder: the shard is scanned again next time, nothing lost
+
+
+def _row(blob: Blob) -> list[Any]:
+    """A Blob as saved: name, digest, where (a file, or a dataset's cell), byte range or row."""
+    return [blob.name, blob.digest, blob.table or blob.location, blob.start, blob.size]
+
+
+def _blob(row: list[Any]) -> Blob:
+    name, digest, location, start, size = row
+    table = tuple(location) if isinstance(location, list) else None  # a dataset's cell
+    return Blob(name, digest, "" if table else location, start, size, table)
+
+
+def _extra(sample: Sample) -> dict[str, Any]:
+    """What a sample holds besides its image: its mask, its controls; a clip's frames."""
+    out: dict[str, Any] = {}
+    if sample.clip:
+        out["clip"] = [sample.frames, sample.total_frames]
+    if sample.mask is not None:
+        out["mask"] = _row(sample.mask)
+    if sample.control_blobs:
+        out["controls"] = [_row(b) for b in sample.control_blobs]
+    return out
 
 
 def rotated(names: list[Any]) -> list[Any]:

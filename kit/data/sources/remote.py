@@ -18,7 +18,7 @@ from kit.data.images import BadImage
 from kit.data.samples import ScanReport
 from kit.data.sources import index
 from kit.data.sources.common import add_sample, caption_text, header_size
-from kit.data.video import FRAME_EXTS
+from kit.data.video import FRAME_EXTS, VIDEO_EXTS
 from kit.errors import DataError
 
 HEADER_BYTES = 1 << 16
@@ -38,8 +38,9 @@ def content_tag(info: dict[str, Any]) -> str:
     return ""
 
 
-def scan_url_folder(view: DatasetView) -> ScanReport:
-    """Every image under the URL, with its caption file beside it."""
+def scan_url_folder(view: DatasetView, family: Any = None) -> ScanReport:
+    """Every image under the URL, with its caption file beside it. A video family's clips are
+    read from a local folder or tar shards: here each video is named and skipped."""
     cfg = view.data
     url = cfg.image_dir.rstrip("/")
     if cfg.caption_dir:
@@ -72,6 +73,13 @@ def scan_url_folder(view: DatasetView) -> ScanReport:
     for b in range(len(batches)):
         for f in dataclasses.fields(ScanReport):
             getattr(report, f.name).extend(getattr(parts[b], f.name))
+    if family is not None and family.video:
+        why = "a clip in a bucket: clips are read from a local folder or tar shards (`shards`)"
+        report.skipped += [
+            (Path(f"{scheme}://{p}"), why)
+            for p in sorted(files)
+            if PurePosixPath(p).suffix.lower() in VIDEO_EXTS
+        ]
     captioned = {str(PurePosixPath(p).with_suffix(ext)) for p in images}
     report.orphan_captions = [
         Path(f"{scheme}://{p}") for p in sorted(files) if p.endswith(ext) and p not in captioned

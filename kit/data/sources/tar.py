@@ -1,6 +1,14 @@
 """WebDataset tar shards as a training dataset: the members of a shard that share a key (the name
 up to its first dot: `000123.jpg`, `000123.txt`) are one sample, an image and its caption.
 
+A video family reads a key whose media is a video member (`000123.mp4`, `.webm`, `.mov`, `.mkv`,
+`.gif`) as a clip, as it reads a video file in a folder (the member is handed to the same reader
+as a temporary file); any other family names it and skips it.
+
+An edit dataset's key also holds its control images, each a member named by `control_column`:
+`000123.control.png` (and `000123.control_1.png` for a second control) beside the target
+`000123.jpg`. The target is the key's image member with a plain extension (`jpg`, `png`).
+
 Each shard is read once, front to back (a stream: one request for a remote shard), to take each
 image's size from its header and digest its bytes; the cache build later reads it again front to
 back, or only a few missing members by their byte ranges (`kit.data.shard_reads`). A member
@@ -13,14 +21,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from PIL import UnidentifiedImageError
+
+from kit.data import video
 from kit.data.blob import Blob, expand_braces, filesystem, is_url, local_path, sha256
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources import index
-from kit.data.sources.common import add_sample, caption_text
-from kit.data.video import FRAME_EXTS
+from kit.data.sources.common import add_controls, add_sample, caption_text
+from kit.data.video import FRAME_EXTS, VIDEO_EXTS
 from kit.errors import DataError
 
 CAPTION_EXTS = ("txt", "caption", "json")
@@ -52,18 +63,24 @@ def split_key(member: str) -> tuple[str, str]:
     return (folder + "/" + stem if folder else stem), ext.lower() if dot else ""
 
 
-def scan_shards(view: DatasetView) -> ScanReport:
-    """Every sample of every shard the entry's `shards` pattern names."""
+def scan_shards(view: DatasetView, family: Any = None) -> ScanReport:
+    """Every sample of every shard the entry's `shards` pattern names; a video family's (or,
+    with no family, every) video member as a clip."""
     assert view.entry is not None
     names = shard_names(view.entry.shards)
     folder = index.scan_dir(view.data)
     parts: dict[str, ScanReport] = {}
+    cfg, clips = view.data, family is None or family.video
+    rule = family.frame_count if family is not None and family.video else None
+    # A clip's frames follow the family's rule: a scan that reads clips is kept per family.
+    reads = [getattr(family, "name", ""), cfg.num_frames, cfg.frame_stride] if clips else []
+    controls = (*view.entry.control_column, *reads)
     for shard in index.rotated(names):  # each process of a launch starts at its own shards
-        name = index.key(shard, view.data)
+        name = index.key(shard, view.data, settings=controls)
         part = index.load(folder, name)
         if part is None:
             part = ScanReport()
-            _read_shard(shard, view, part)
+            _read_shard(shard, view, part, (clips, rule))
             index.save(folder, name, part)
         parts[shard] = part
     report = ScanReport()
@@ -73,7 +90,7 @@ def scan_shards(view: DatasetView) -> ScanReport:
     return report
 
 
-def _read_shard(shard: str, view: DatasetView, report: ScanReport) -> None:
+def _read_shard(shard: str, view: DatasetView, report: ScanReport, clips: tuple) -> None:
     with _open(shard) as f:
         group: dict[str, tuple[int, int, bytes]] = {}
         key = None
@@ -82,7 +99,7 @@ def _read_shard(shard: str, view: DatasetView, report: ScanReport) -> None:
             for name, start, data in members(f):
                 k, ext = split_key(name)
                 if k != key:
-                    done += _flush(shard, key, group, view, report)
+                    done += _flush(shard, key, group, view, report, clips)
                     key, group = k, {}
                 group[ext] = (start, len(data), data)
         except NotATar as e:
@@ -96,7 +113,7 @@ def _read_shard(shard: str, view: DatasetView, report: ScanReport) -> None:
                 (Path(shard), f"shard cut short after {done} sample(s) ({e}); its rest is skipped")
             )
             group = {}
-        done += _flush(shard, key, group, view, report)
+        done += _flush(shard, key, group, view, report, clips)
 
 
 class NotATar(Exception):
@@ -195,20 +212,36 @@ def _flush(
     group: dict[str, tuple[int, int, bytes]],
     view: DatasetView,
     report: ScanReport,
+    clips: tuple[bool, Any] = (False, None),
 ) -> int:
-    """Record the sample of one key (1), or why it is left out (0)."""
+    """Record the sample of one key (1), or why it is left out (0). `clips`: whether video
+    members are read as clips, and the family's frame rule."""
     if key is None or not group:
         return 0
-    image = next((e for e in group if "." + e.rsplit(".", 1)[-1] in FRAME_EXTS), None)
     where = f" (shard {shard}, key {key})"
-    if image is None:
-        caption = next((e for e in CAPTION_EXTS if e in group), None)
-        if caption is not None:
-            report.orphan_captions.append(Path(f"{shard}/{key}.{caption}"))
-        return 0
-    start, size, data = group[image]
-    name = f"{shard}/{key}.{image}"
+    wanted = [c.lower() for c in view.entry.control_column] if view.entry is not None else []
+    controls = {
+        c: [e for e in group if _is_image(e) and c in (e, e.rsplit(".", 1)[0])] for c in wanted
+    }
+    taken = {e for found in controls.values() for e in found}
+    images = [e for e in group if _is_image(e) and e not in taken]
+    # The target: a plain extension (`jpg`) before a named member (`seg.png`) that is none.
+    image = next((e for e in images if "." not in e), images[0] if images else None)
     cap_ext = next((e for e in CAPTION_EXTS if e in group), None)
+    clip = next((e for e in group if "." + e.rsplit(".", 1)[-1] in VIDEO_EXTS), None)
+    if image is None and clip is not None and not clips[0]:
+        why = f"a video member{where}: read as a clip by a video family only"
+        report.skipped.append((Path(f"{shard}/{key}.{clip}"), why))
+        return 0
+    if image is None and clip is None:
+        if cap_ext is not None:
+            report.orphan_captions.append(Path(f"{shard}/{key}.{cap_ext}"))
+        return 0
+    # A video family trains a key's clip, not a still beside it (a video dataset's thumbnail).
+    media = clip if clip is not None and clips[0] else image
+    assert media is not None
+    start, size, data = group[media]
+    name = f"{shard}/{key}.{media}"
     caption = None
     if cap_ext is not None:
         try:
@@ -217,6 +250,60 @@ def _flush(
             report.unreadable.append((Path(name), f"{e}{where}"))
             return 0
     blob = Blob(name, sha256(data), shard, start, size)
-    before = len(report.samples)
-    add_sample(report, view.data, blob, data, caption, where)
-    return len(report.samples) - before
+    if media == clip:
+        return _add_clip(report, view, blob, data, caption, where, clips[1])
+    if not add_sample(report, view.data, blob, data, caption, where):
+        return 0
+    if wanted:
+        found: list[tuple[str, Blob | None, bytes]] = []
+        for c, members in controls.items():
+            if len(members) > 1:
+                why = f"ambiguous control: {', '.join(f'{key}.{e}' for e in members)}{where}"
+                report.samples.pop()
+                report.skipped.append((Path(name), why))
+                return 0
+            if not members:
+                found.append((f"{key}.{c}.*", None, b""))
+                continue
+            start, size, data = group[members[0]]
+            member = f"{shard}/{key}.{members[0]}"
+            found.append((member, Blob(member, sha256(data), shard, start, size), data))
+        add_controls(report, view.data, found, where)
+    return 1 if report.samples and report.samples[-1].blob is blob else 0
+
+
+def _add_clip(
+    report: ScanReport,
+    view: DatasetView,
+    blob: Blob,
+    data: bytes,
+    caption: str | None,
+    where: str,
+    rule: Any,
+) -> int:
+    """Record a video member as a clip (1), read as a folder's video file is; or why not (0)."""
+    cfg, name = view.data, Path(blob.name)
+    try:
+        with video.as_file(data, blob.name) as tmp:
+            try:
+                w, h, total = video.clip_info(tmp)
+            except (DataError, UnidentifiedImageError, OSError) as e:
+                why = str(e).replace(str(tmp), blob.name).split("\n", 1)[0] or type(e).__name__
+                report.unreadable.append((name, f"{why}{where}"))
+                return 0
+    except OSError as e:  # no room for the temporary file
+        raise DataError(f"cannot read clip {blob.name}: {e}") from None
+    frames, short = video.clip_frames(total, cfg.num_frames, cfg.frame_stride, rule)
+    if short:
+        report.short_clips.append((name, f"{short}{where}"))
+        return 0
+    if not add_sample(report, cfg, blob, b"", caption, where, size=(w, h)):
+        return 0
+    sample = report.samples[-1]
+    sample.frames, sample.total_frames, sample.clip = frames, total, True
+    return 1
+
+
+def _is_image(ext: str) -> bool:
+    """Whether a member's extension (`jpg`, `control.png`) ends in a still-image format."""
+    return "." + ext.rsplit(".", 1)[-1] in FRAME_EXTS
