@@ -171,6 +171,18 @@ def test_bad_sources_give_one_clear_line(tmp_path, records, make_config):
         check_dataset(load_config(missing_file).data)
     with pytest.raises(ConfigError, match="one source"):
         from_dict({"datasets": [{"shards": pattern, "hf_dataset": str(path)}]})
+    # A scheme fsspec does not know, or whose package is missing: named with what to do.
+    with pytest.raises(DataError, match="foo://x/pets: Protocol not known: foo; give a local"):
+        check_dataset(from_dict({"datasets": [{"image_dir": "foo://x/pets"}]}).data)
+    import fsspec
+
+    def no_package(url):
+        raise ImportError("Please install gcsfs to access Google Storage")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fsspec.core, "url_to_fs", no_package)
+        with pytest.raises(DataError, match=r"install gcsfs .*\(pip install it beside the kit"):
+            check_dataset(from_dict({"datasets": [{"image_dir": "gs://b/pets"}]}).data)
     # Through the command line: one line, no traceback.
     bad = make_config("bad.json", image_dir="", datasets=[{"shards": missing}])
     assert main(["buckets", str(bad)]) != 0

@@ -39,7 +39,18 @@ def filesystem(url: str) -> tuple[Any, str]:
     """
     import fsspec
 
-    fs, path = fsspec.core.url_to_fs(url)
+    scheme = url.split("://", 1)[0]
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+    except ImportError as e:  # the scheme's own package (gcsfs, s3fs, adlfs...) is missing
+        raise DataError(f"{url}: {e} (pip install it beside the kit to read {scheme}://)") from None
+    except ValueError as e:  # a scheme fsspec does not know
+        raise DataError(f"{url}: {e}; give a local path or a URL fsspec reads") from None
+    except Exception as e:  # the library could not reach its service
+        raise DataError(
+            f"{url} cannot be reached ({type(e).__name__}: {e}); check the network and the "
+            f"{scheme} credentials in the environment"
+        ) from None
     return fs, path
 
 

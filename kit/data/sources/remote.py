@@ -50,6 +50,11 @@ def scan_url_folder(view: DatasetView, family: Any = None) -> ScanReport:
         listing = fs.find(root, detail=True)
     except (OSError, ValueError) as e:  # missing bucket, refused credentials
         raise DataError(f"image_dir {url} cannot be listed: {e}") from None
+    except Exception as e:  # the library's own error for a service it could not reach
+        raise DataError(
+            f"image_dir {url} cannot be listed ({type(e).__name__}: {e}); check the network and "
+            "the credentials in the environment"
+        ) from None
     scheme = url.split("://", 1)[0]
     rel = {p: p[len(root) :].lstrip("/") for p in listing}
     files = {p for p in listing if not any(x.startswith(".") for x in rel[p].split("/"))}
