@@ -225,8 +225,8 @@ def drift(
 
 def vae_color_floor(vae: Any, scenes: list[toyworld.Scene], concept: str, side: int) -> float:
     """How near the base's own VAE brings the concept's color back: the median distance of the
-    color in each scene's encoded-and-decoded image to the data's. No adapter draws through that
-    VAE nearer than this (the learned color's distance is to be read against it)."""
+    color in each scene's encoded-and-decoded image to the data's. An adapter trained toward
+    those latents aims at this color; the learned color's distance is to be read against it."""
     import numpy as np
     import torch
 
