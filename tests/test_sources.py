@@ -46,6 +46,14 @@ def _train_with_resume(make_config, tmp_path: Path, entry: dict) -> dict:
     a = make_config("a.json", output_dir=str(tmp_path / "a"), **common)
     b = make_config("b.json", output_dir=str(tmp_path / "b"), **common)
     assert train(load_config(a)).step == 4
+    resumed_equals_straight(tmp_path, b)
+    return json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
+
+
+def resumed_equals_straight(tmp_path: Path, b: Path) -> None:
+    """Train config `b` 2 steps, stop, resume to 4: it ends on the weights of the straight run
+    already trained into tmp_path / "a"."""
+    from kit.train.loop import train
 
     def stop(event):
         if event["kind"] == "checkpoint" and event["step"] == 2:
@@ -57,7 +65,6 @@ def _train_with_resume(make_config, tmp_path: Path, entry: dict) -> dict:
     wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", 4) / ckpt.ADAPTER_FILE))
     wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    return json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
 
 
 def test_parquet_dataset_trains_and_resumes_exactly(tmp_path, make_config, records):

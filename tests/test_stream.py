@@ -18,6 +18,7 @@ from kit.data.sources import stream
 from kit.data.sources.write import folder_records, write_parquet
 from kit.errors import ConfigError, DataError
 from kit.run import checkpoint as ckpt
+from tests.test_sources import resumed_equals_straight
 
 datasets = pytest.importorskip("datasets")
 
@@ -191,16 +192,7 @@ def test_a_streamed_dataset_trains_and_resumes_exactly(tmp_path, make_config, re
     # Rows 0-4 were cached before the break and are not read again: the read starts at row 5.
     assert len(pulled) == 8 - 5
 
-    def stop(event):
-        if event["kind"] == "checkpoint" and event["step"] == 2:
-            raise KeyboardInterrupt
-
-    cfg_b = load_config(b)
-    assert train(cfg_b, callbacks=[stop]).interrupted
-    assert train(cfg_b, resume="latest").step == 4
-    wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", 4) / ckpt.ADAPTER_FILE))
-    wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    resumed_equals_straight(tmp_path, b)
     # The cache built across the break equals the one built in one go, entry for entry.
     ca, cb = (
         {f.relative_to(root): load_file(str(f)) for f in (root / "latents").rglob("*.safetensors")}
