@@ -372,21 +372,11 @@ class QwenImageEdit(QwenImage):
         )
 
     def call_kwargs(self, spec):
-        if not spec.control:
-            return super().call_kwargs(spec)  # QwenImagePipeline's (`edit_pipeline_class`)
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
+        kwargs = super().call_kwargs(spec)  # without controls, QwenImagePipeline's call
+        if spec.control:
             # The files, so the sidecar can record them; `sample` opens them for the pipeline
             # (Edit takes one image, Plus a list).
-            "image": list(spec.control) if self._plus() else spec.control[0],
-            "negative_prompt": spec.negative_prompt or " ",
-            "true_cfg_scale": spec.guidance_scale,
-            "num_inference_steps": spec.num_inference_steps,
-            "width": spec.width,
-            "height": spec.height,
-        }
-        if spec.adapter_scale != 1.0:
-            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+            kwargs["image"] = list(spec.control) if self._plus() else spec.control[0]
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
