@@ -244,3 +244,26 @@ def module_trace_cache(tmp_path_factory):
         estimating.forget_traces()
         yield
     estimating.forget_traces()
+
+
+def lora_loads_exactly(family, comps, pipe, folder: Path) -> dict:
+    """Random weights in the adapter attached to `comps.denoiser`, written as the family's
+    diffusers file into `folder` and loaded through `pipe`'s own `load_lora_weights`: the
+    pipeline's transformer holds exactly those weights. Returns them."""
+    import torch
+    from peft.utils import get_peft_model_state_dict
+
+    from kit.methods.adapters import adapter_state_dict
+
+    generator = torch.Generator().manual_seed(0)
+    state = {
+        k: torch.randn(v.shape, generator=generator) * 0.1
+        for k, v in adapter_state_dict(comps.denoiser).items()
+    }
+    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
+    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, folder)
+    pipe.load_lora_weights(str(folder))
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
+    assert set(loaded) == set(state)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    return state

@@ -10,6 +10,7 @@ from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import get_family
 from kit.families.flux import pack_latents, unpack_latents
+from tests.conftest import lora_loads_exactly
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +78,8 @@ def test_predict_with_and_without_guidance_embeds(tiny_flux):
 
 def test_lora_round_trips_every_default_target(tiny_flux, tmp_path):
     from diffusers import FluxPipeline
-    from peft.utils import get_peft_model_state_dict
 
     from kit.methods import get_method
-    from kit.methods.adapters import adapter_state_dict
 
     cfg = Config().replace(model_family="flux", lora_rank=2)
     family = get_family("flux", cfg)
@@ -89,16 +88,7 @@ def test_lora_round_trips_every_default_target(tiny_flux, tmp_path):
     for target in family.default_lora_targets:
         assert any(m.endswith(target) for m in summary.modules), target
     assert any(m.startswith("single_transformer_blocks") for m in summary.modules)
-    state = adapter_state_dict(comps.denoiser)
-    state = {k: torch.randn_like(v) for k, v in state.items()}
-    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
-    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path)
-
-    pipe = FluxPipeline.from_pretrained(str(tiny_flux))
-    pipe.load_lora_weights(str(tmp_path))
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
-    assert set(loaded) == set(state)
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    lora_loads_exactly(family, comps, FluxPipeline.from_pretrained(str(tiny_flux)), tmp_path)
 
 
 def test_bucket_step_must_allow_packing():

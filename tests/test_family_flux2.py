@@ -17,6 +17,7 @@ from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import flux2, get_family
 from kit.families.flux2 import patchify, unpack
+from tests.conftest import lora_loads_exactly
 
 CAPTION = "a small red circle on a blue background"
 SIDE = 64  # pixels: an 8×8 latent, 4×4 patches
@@ -167,10 +168,8 @@ def test_klein_samples_through_its_own_pipeline(tiny_klein):
 
 def test_lora_round_trips_every_default_target(tiny_dev, tmp_path):
     from diffusers import Flux2Pipeline
-    from peft.utils import get_peft_model_state_dict
 
     from kit.methods import get_method
-    from kit.methods.adapters import adapter_state_dict
 
     cfg = Config().replace(model_family="flux2", pretrained_model=str(tiny_dev), lora_rank=2)
     family = get_family("flux2", cfg)
@@ -178,16 +177,7 @@ def test_lora_round_trips_every_default_target(tiny_dev, tmp_path):
     summary = get_method(cfg, family).attach(comps)
     for target in family.default_lora_targets:
         assert any(m.endswith(target) for m in summary.modules), target
-    state = adapter_state_dict(comps.denoiser)
-    state = {k: torch.randn_like(v) for k, v in state.items()}
-    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
-    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path)
-
-    pipe = Flux2Pipeline.from_pretrained(str(tiny_dev))
-    pipe.load_lora_weights(str(tmp_path))
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
-    assert set(loaded) == set(state)
-    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    lora_loads_exactly(family, comps, Flux2Pipeline.from_pretrained(str(tiny_dev)), tmp_path)
 
 
 def test_single_file_reads_back_through_diffusers_and_the_kit(tiny_dev, tmp_path):

@@ -13,6 +13,7 @@ from kit.config import from_dict
 from kit.data.cache import fill_cache, plan_cache
 from kit.families import get_family
 from kit.families.flux_kontext import control_size
+from tests.conftest import lora_loads_exactly
 
 
 @pytest.fixture(scope="module")
@@ -200,28 +201,17 @@ def test_exports_load_through_the_kontext_pipeline(tiny_kontext, tmp_path):
     weights; the ComfyUI-layout file, through diffusers' own converter for such files, merges to
     the trained adapter's weights on every changed weight."""
     from diffusers import FluxKontextPipeline
-    from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     from kit.config import Config
     from kit.methods import get_method
-    from kit.methods.adapters import adapter_state_dict
 
     cfg = Config().replace(model_family="flux_kontext", lora_rank=2, lora_alpha=4)
     family = get_family("flux_kontext", cfg)
     comps = family.load(str(tiny_kontext))
     get_method(cfg, family).attach(comps)
-    generator = torch.Generator().manual_seed(0)
-    state = {
-        k: torch.randn(v.shape, generator=generator) * 0.1
-        for k, v in adapter_state_dict(comps.denoiser).items()
-    }
-    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
-    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path / "d")
     pipe = FluxKontextPipeline.from_pretrained(str(tiny_kontext))
-    pipe.load_lora_weights(str(tmp_path / "d"))
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
-    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    state = lora_loads_exactly(family, comps, pipe, tmp_path / "d")
 
     # The trained adapter's merged weights (W + alpha / rank · B A), and the ComfyUI-layout
     # file's, loaded by diffusers' own converter for such files and fused.

@@ -21,6 +21,7 @@ from kit.families.qwen_image_edit import (
     has_torchvision,
     load_processor,
 )
+from tests.conftest import lora_loads_exactly
 
 NAME = "qwen_image_edit"
 CAPTION = "make it red"
@@ -248,12 +249,10 @@ def test_exports_load_through_the_edit_pipeline(tiny_edit, tmp_path):
     trained weights; the ComfyUI-layout file, through diffusers' own converter for such files,
     merges to the trained adapter's weights on every changed weight."""
     from diffusers import QwenImageEditPipeline
-    from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
     from kit.config import Config
     from kit.methods import get_method
-    from kit.methods.adapters import adapter_state_dict
 
     cfg = Config().replace(
         model_family=NAME, pretrained_model=str(tiny_edit), lora_rank=2, lora_alpha=4
@@ -261,17 +260,8 @@ def test_exports_load_through_the_edit_pipeline(tiny_edit, tmp_path):
     family = get_family(NAME, cfg)
     comps = family.load(str(tiny_edit))
     get_method(cfg, family).attach(comps)
-    generator = torch.Generator().manual_seed(0)
-    state = {
-        k: torch.randn(v.shape, generator=generator) * 0.1
-        for k, v in adapter_state_dict(comps.denoiser).items()
-    }
-    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
-    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path / "d")
     pipe = QwenImageEditPipeline.from_pretrained(str(tiny_edit), **family.pipeline_kwargs)
-    pipe.load_lora_weights(str(tmp_path / "d"))
-    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
-    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    state = lora_loads_exactly(family, comps, pipe, tmp_path / "d")
 
     save_file(family.kohya_state_dict(state, 4.0), str(tmp_path / "comfy.safetensors"))
     other = QwenImageEditPipeline.from_pretrained(str(tiny_edit), **family.pipeline_kwargs)

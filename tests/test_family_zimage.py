@@ -14,6 +14,7 @@ from kit.config import Config
 from kit.families import get_family
 from kit.families.shipped import config_source
 from kit.families.zimage import model_velocity, pad_embeds, transformer_inputs, unpad_embeds
+from tests.conftest import lora_loads_exactly
 
 CAPTIONS = ["a red zorbstar", "a small blue circle on the left of a big green tree"]
 
@@ -210,10 +211,8 @@ def test_validation_calls_the_pipeline_with_its_own_guidance(tiny_zimage):
 
 def test_lora_round_trips_every_default_target(loaded, tmp_path):
     from diffusers import ZImagePipeline
-    from peft.utils import get_peft_model_state_dict
 
     from kit.methods import get_method
-    from kit.methods.adapters import adapter_state_dict
 
     family, comps = loaded
     cfg = Config().replace(model_family="zimage", pretrained_model=comps.source, lora_rank=2)
@@ -223,14 +222,7 @@ def test_lora_round_trips_every_default_target(loaded, tmp_path):
         assert any(m.endswith(target) for m in summary.modules), target
     for stack in ("layers", "noise_refiner", "context_refiner"):
         assert any(m.startswith(stack) for m in summary.modules), stack
-    state = {k: torch.randn_like(v) for k, v in adapter_state_dict(comps.denoiser).items()}
-    adapter_cfg = comps.denoiser.peft_config["default"].to_dict()
-    family.save_diffusers_lora({"denoiser": state}, {"denoiser": adapter_cfg}, tmp_path)
-    pipe = ZImagePipeline.from_pretrained(comps.source)
-    pipe.load_lora_weights(str(tmp_path))
-    loaded_state = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
-    assert set(loaded_state) == set(state)
-    assert all(torch.equal(loaded_state[k], state[k]) for k in state)
+    lora_loads_exactly(family, comps, ZImagePipeline.from_pretrained(comps.source), tmp_path)
 
 
 def test_the_methods_it_trains(tiny_zimage):
