@@ -267,3 +267,25 @@ def lora_loads_exactly(family, comps, pipe, folder: Path) -> dict:
     assert set(loaded) == set(state)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
     return state
+
+
+def resumed_equals_straight(tmp_path: Path, b: Path, stop: int = 2, end: int = 4) -> None:
+    """Train config `b` to step `stop`, interrupt it, resume it to `end`: it ends on the weights
+    of the straight run already trained into tmp_path / "a"."""
+    import torch
+    from safetensors.torch import load_file
+
+    from kit.config import load_config
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import train
+
+    def interrupt(event):
+        if event["kind"] == "checkpoint" and event["step"] == stop:
+            raise KeyboardInterrupt
+
+    cfg_b = load_config(b)
+    assert train(cfg_b, callbacks=[interrupt]).interrupted
+    assert train(cfg_b, resume="latest").step == end
+    wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", end) / ckpt.ADAPTER_FILE))
+    wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", end) / ckpt.ADAPTER_FILE))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kit.cli import main
 from kit.config import load_config
 from kit.errors import ConfigError, DataError
-from kit.run import checkpoint as ckpt
+from tests.conftest import resumed_equals_straight
 
 
 def _split(dataset: Path, root: Path) -> tuple[Path, Path]:
@@ -82,17 +81,7 @@ def test_two_datasets_train_weight_and_resume_exactly(tmp_path, make_config, dat
     straight = train(a_cfg)
     assert straight.step == 8
 
-    def stop(event):
-        if event["kind"] == "checkpoint" and event["step"] == 4:
-            raise KeyboardInterrupt
-
-    cfg_b = load_config(b)
-    assert train(cfg_b, callbacks=[stop]).interrupted
-    assert train(cfg_b, resume="latest").step == 8
-    wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", 8) / ckpt.ADAPTER_FILE))
-    wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 8) / ckpt.ADAPTER_FILE))
-    assert wa.keys() == wb.keys()
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    resumed_equals_straight(tmp_path, b, stop=4, end=8)
 
     manifest = json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
     by_set = {r["dataset"] for r in manifest}

@@ -20,7 +20,7 @@ from kit.data.scan import check_dataset, scan
 from kit.data.sources.write import folder_records, write_parquet, write_shards
 from kit.errors import ConfigError, DataError
 from kit.run import checkpoint as ckpt
-from tests.conftest import write_config
+from tests.conftest import resumed_equals_straight, write_config
 
 datasets = pytest.importorskip("datasets")
 
@@ -48,23 +48,6 @@ def _train_with_resume(make_config, tmp_path: Path, entry: dict) -> dict:
     assert train(load_config(a)).step == 4
     resumed_equals_straight(tmp_path, b)
     return json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
-
-
-def resumed_equals_straight(tmp_path: Path, b: Path) -> None:
-    """Train config `b` 2 steps, stop, resume to 4: it ends on the weights of the straight run
-    already trained into tmp_path / "a"."""
-    from kit.train.loop import train
-
-    def stop(event):
-        if event["kind"] == "checkpoint" and event["step"] == 2:
-            raise KeyboardInterrupt
-
-    cfg_b = load_config(b)
-    assert train(cfg_b, callbacks=[stop]).interrupted
-    assert train(cfg_b, resume="latest").step == 4
-    wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", 4) / ckpt.ADAPTER_FILE))
-    wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", 4) / ckpt.ADAPTER_FILE))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_parquet_dataset_trains_and_resumes_exactly(tmp_path, make_config, records):

@@ -18,7 +18,7 @@ from kit.data.sources import stream
 from kit.data.sources.write import folder_records, write_parquet
 from kit.errors import ConfigError, DataError
 from kit.run import checkpoint as ckpt
-from tests.test_sources import resumed_equals_straight
+from tests.conftest import resumed_equals_straight
 
 datasets = pytest.importorskip("datasets")
 
