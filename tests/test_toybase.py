@@ -47,3 +47,32 @@ def test_a_short_build_saves_a_loadable_pipeline(tmp_path):
         output_type="np",
     ).images[0]
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
+
+
+def test_the_color_term_makes_latents_follow_the_image_colors():
+    import torch
+    import torch.nn.functional as F
+
+    world = toybase.scenes()[::6]
+    images = toybase.to_tensor([toyworld.render(s, 64, 64) for s in world])
+
+    def color_error(weight: float) -> float:
+        vae, _ = toybase.train_vae(images, 40, seed=1, color_weight=weight, log=lambda _: None)
+        with torch.no_grad():
+            mean = vae.encode(images).latent_dist.mean
+        return F.mse_loss(mean[:, :3], F.avg_pool2d(images, 4)).item()
+
+    # Off (the committed recipe), the latents owe the image's colors nothing; on, the first
+    # three channels come to hold them.
+    assert color_error(1.0) < 0.5 * color_error(0.0)
+
+
+def test_the_recipe_names_the_command_that_rebuilds_it(tmp_path):
+    out = toybase.build(
+        tmp_path / "b", seed=2, vae_steps=2, unet_steps=1, decoder_steps=1, vae_color_weight=1.0
+    )
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["vae_color_weight"] == 1.0
+    assert recipe["command"].endswith(
+        "--seed 2 --vae-steps 2 --unet-steps 1 --decoder-steps 1 --vae-color-weight 1.0"
+    )

@@ -10,6 +10,9 @@ file, read top to bottom:
    polygons of random colors: a codec should code any flat shape in any color, so that a later
    fine-tune can teach a color (the pink `zorbic`) that the denoiser has never drawn. Trained on
    the six toy colors alone, it decoded every other color as the nearest of them.
+   `--vae-color-weight` (off in the committed base) also holds three latent channels to the
+   image's colors, so that the latents are linear in color (models/toy-sd15/RECIPE.md, "A deeper
+   pink", measures what that changes).
 3. Text encoder (a 2-layer CLIP) and UNet trained together from scratch on the v objective
    with the original DDPM noise schedule (linear betas: almost no signal left at t = T, so a
    plain-white or plain-black image can be drawn from pure noise). Not epsilon: at high noise
@@ -64,6 +67,7 @@ RECIPE = {
     "vae_batch": 8,
     "vae_lr": 3e-3,
     "vae_kl_weight": 1e-6,
+    "vae_color_weight": 0.0,
     "vae_polygon_share": 0.5,
     "unet_steps": 4000,
     "unet_batch": 24,
@@ -191,8 +195,14 @@ def _polygons(rng: random.Random, n: int) -> torch.Tensor:
     return to_tensor([random_polygon(rng) for _ in range(n)])
 
 
-def train_vae(images: torch.Tensor, steps: int, seed: int, log=print):
-    """Reconstruction (weighted L1 + MSE) with a tiny KL term; part of each batch is random polygons."""
+def train_vae(
+    images: torch.Tensor, steps: int, seed: int, color_weight: float | None = None, log=print
+):
+    """Reconstruction (weighted L1 + MSE) with a tiny KL term; part of each batch is random polygons.
+
+    `color_weight` (default: the recipe's) adds a term that makes the latents linear in color.
+    """
+    color_weight = RECIPE["vae_color_weight"] if color_weight is None else color_weight
     torch.manual_seed(seed)
     rng = random.Random(seed)
     vae = build_vae()
@@ -210,6 +220,11 @@ def train_vae(images: torch.Tensor, steps: int, seed: int, log=print):
         recon = vae.decode(dist.sample(generator=g)).sample
         kl = dist.kl().mean() / x[0].numel()
         loss = _weighted(recon, x) + RECIPE["vae_kl_weight"] * kl
+        if color_weight:
+            # Hold the first three latent channels to the image's colors at the latents'
+            # resolution: latents nearly linear in color, as SD's are (a 4x3 matrix previews
+            # them), where an unseen color's latents lie between those of known ones.
+            loss = loss + color_weight * F.mse_loss(dist.mean[:, :3], F.avg_pool2d(x, 4))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
@@ -333,6 +348,7 @@ def build(
     vae_steps: int | None = None,
     unet_steps: int | None = None,
     decoder_steps: int | None = None,
+    vae_color_weight: float | None = None,
 ) -> Path:
     """Train every part from scratch and save a StableDiffusionPipeline (safetensors) in out_dir."""
     import diffusers
@@ -347,7 +363,9 @@ def build(
     world = scenes()
     images = to_tensor([toyworld.render(s, SIZE, SIZE) for s in world])
     captions = [toyworld.caption(s) for s in world]
-    vae, latents = train_vae(images, vae_steps, seed)
+    if vae_color_weight is None:
+        vae_color_weight = RECIPE["vae_color_weight"]
+    vae, latents = train_vae(images, vae_steps, seed, vae_color_weight)
     vae_minutes = (time.time() - start) / 60
     tokenizer = tiny.clip_tokenizer(TOKENS)  # every toy-world word is one token
     text_encoder, unet = train_denoiser(latents, captions, tokenizer, unet_steps, seed)
@@ -374,6 +392,7 @@ def build(
         **RECIPE,
         "seed": seed,
         "vae_steps": vae_steps,
+        "vae_color_weight": vae_color_weight,
         "unet_steps": unet_steps,
         "decoder_steps": decoder_steps,
         "image_size": SIZE,
@@ -387,7 +406,19 @@ def build(
             "diffusers": diffusers.__version__,
             "transformers": transformers.__version__,
         },
-        "command": f"python -m kit.toy.base {out_dir} --seed {seed}",
+        "command": " ".join(
+            [f"python -m kit.toy.base {out_dir} --seed {seed}"]
+            + [
+                f"--{key.replace('_', '-')} {value}"
+                for key, value in (
+                    ("vae_steps", vae_steps),
+                    ("unet_steps", unet_steps),
+                    ("decoder_steps", decoder_steps),
+                    ("vae_color_weight", vae_color_weight),
+                )
+                if value != RECIPE[key]
+            ]
+        ),
     }
     with atomic_dir(out_dir) as tmp_dir:
         pipe.save_pretrained(tmp_dir, safe_serialization=True)
@@ -406,6 +437,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--decoder-steps", type=int, default=None, help="decoder steps (default: recipe)"
     )
+    parser.add_argument(
+        "--vae-color-weight",
+        type=float,
+        default=None,
+        help="weight of the VAE's linear-in-color latents term (default: recipe, 0 = off)",
+    )
     args = parser.parse_args(argv)
     build(
         args.out_dir,
@@ -413,6 +450,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         vae_steps=args.vae_steps,
         unet_steps=args.unet_steps,
         decoder_steps=args.decoder_steps,
+        vae_color_weight=args.vae_color_weight,
     )
 
 
