@@ -355,21 +355,23 @@ def build(
     import transformers
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    vae_steps = RECIPE["vae_steps"] if vae_steps is None else vae_steps
-    unet_steps = RECIPE["unet_steps"] if unet_steps is None else unet_steps
-    decoder_steps = RECIPE["decoder_steps"] if decoder_steps is None else decoder_steps
+    given = {
+        "vae_steps": vae_steps,
+        "unet_steps": unet_steps,
+        "decoder_steps": decoder_steps,
+        "vae_color_weight": vae_color_weight,
+    }
+    chosen = {key: RECIPE[key] if value is None else value for key, value in given.items()}
     torch.manual_seed(seed)
     start = time.time()
     world = scenes()
     images = to_tensor([toyworld.render(s, SIZE, SIZE) for s in world])
     captions = [toyworld.caption(s) for s in world]
-    if vae_color_weight is None:
-        vae_color_weight = RECIPE["vae_color_weight"]
-    vae, latents = train_vae(images, vae_steps, seed, vae_color_weight)
+    vae, latents = train_vae(images, chosen["vae_steps"], seed, chosen["vae_color_weight"])
     vae_minutes = (time.time() - start) / 60
     tokenizer = tiny.clip_tokenizer(TOKENS)  # every toy-world word is one token
-    text_encoder, unet = train_denoiser(latents, captions, tokenizer, unet_steps, seed)
-    vae = finetune_decoder(vae, images, decoder_steps, seed)
+    text_encoder, unet = train_denoiser(latents, captions, tokenizer, chosen["unet_steps"], seed)
+    vae = finetune_decoder(vae, images, chosen["decoder_steps"], seed)
     sampler = DDIMScheduler(
         num_train_timesteps=1000,
         clip_sample=False,
@@ -391,10 +393,7 @@ def build(
     recipe = {
         **RECIPE,
         "seed": seed,
-        "vae_steps": vae_steps,
-        "vae_color_weight": vae_color_weight,
-        "unet_steps": unet_steps,
-        "decoder_steps": decoder_steps,
+        **chosen,
         "image_size": SIZE,
         "noise_schedule": BETAS,
         "vae_minutes": round(vae_minutes, 1),
@@ -410,12 +409,7 @@ def build(
             [f"python -m kit.toy.base {out_dir} --seed {seed}"]
             + [
                 f"--{key.replace('_', '-')} {value}"
-                for key, value in (
-                    ("vae_steps", vae_steps),
-                    ("unet_steps", unet_steps),
-                    ("decoder_steps", decoder_steps),
-                    ("vae_color_weight", vae_color_weight),
-                )
+                for key, value in chosen.items()
                 if value != RECIPE[key]
             ]
         ),
