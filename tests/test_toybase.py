@@ -69,10 +69,44 @@ def test_the_color_term_makes_latents_follow_the_image_colors():
 
 def test_the_recipe_names_the_command_that_rebuilds_it(tmp_path):
     out = toybase.build(
-        tmp_path / "b", seed=2, vae_steps=2, unet_steps=1, decoder_steps=1, vae_color_weight=1.0
+        tmp_path / "b",
+        seed=2,
+        vae_steps=2,
+        unet_steps=1,
+        decoder_steps=1,
+        vae_color_weight=1.0,
+        color_jitter=20.0,
     )
     recipe = json.loads((out / "recipe.json").read_text())
-    assert recipe["vae_color_weight"] == 1.0
+    assert recipe["vae_color_weight"] == 1.0 and recipe["color_jitter"] == 20.0
     assert recipe["command"].endswith(
         "--seed 2 --vae-steps 2 --unet-steps 1 --decoder-steps 1 --vae-color-weight 1.0"
+        " --color-jitter 20.0"
     )
+
+
+def test_jittered_shapes_keep_their_layout_their_name_and_a_hole_around_the_concept():
+    import torch
+
+    world = toybase.scenes()
+    images = toybase.to_tensor([toyworld.render(s, 64, 64) for s in world])
+    recolor = toybase.Recolor(world, images, toybase.build_vae().eval(), radius=90.0)
+    cover = recolor.coverage
+    # With the named fill, the repainted image is the rendered one (to rounding).
+    same = recolor.backgrounds * (1 - cover) + recolor.fills[:, :, None, None] * cover
+    assert (same / 127.5 - 1 - images).abs().max() < 1 / 127.5
+    idx = torch.randint(0, len(world), (2000,), generator=torch.Generator().manual_seed(0))
+    fills = recolor.jittered_fills(idx, torch.Generator().manual_seed(1))
+    moved = (fills - recolor.fills[idx]).norm(dim=1)
+    assert float(moved.max()) <= 90.0 + 1e-3 and float(moved.mean()) > 40.0
+    names = torch.tensor(list(toyworld.COLORS.values()), dtype=torch.float32)
+    assert torch.equal(torch.cdist(fills, names).argmin(1), recolor.label[idx])
+    pink = torch.tensor(list(toyworld.CONCEPT_COLORS.values()), dtype=torch.float32)
+    assert float(torch.cdist(fills, pink).min()) >= toybase.RECIPE["color_hole"]
+    backgrounds = torch.tensor(list(toyworld.BACKGROUNDS.values()), dtype=torch.float32)
+    assert float(torch.cdist(fills, backgrounds).min()) >= toybase.RECIPE["color_margin"]
+    # The latents the denoiser trains on: one per scene, and they vary with the draw.
+    few = torch.arange(8)
+    a = recolor.latents(few, torch.Generator().manual_seed(1))
+    b = recolor.latents(few, torch.Generator().manual_seed(2))
+    assert a.shape == (8, 4, 16, 16) and not torch.allclose(a, b)

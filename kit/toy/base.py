@@ -19,7 +19,8 @@ file, read top to bottom:
    predicting the noise is nearly free (it is almost the input), so an epsilon model learns
    little where the layout is decided, and its samples ignore the prompt; v asks for the clean
    image there. 10% of captions are dropped to "" so classifier-free guidance works. An EMA of
-   the weights is what gets saved.
+   the weights is what gets saved. `--color-jitter` (off in the committed base) paints each
+   shape in a color around its name rather than at it, so that a color word names a region.
 4. The VAE's decoder alone trains a little more on the frozen encoder's latents (the UNet's
    latents stay valid), slightly noised so that it forgives the UNet's errors; half of its batch
    is random polygons too, so that it keeps every color.
@@ -74,13 +75,17 @@ RECIPE = {
     "unet_lr": 1.5e-3,
     "warmup_steps": 50,
     "caption_dropout": 0.1,
+    "color_jitter": 0.0,
+    "color_hole": 80.0,
+    "color_margin": 60.0,
     "decoder_steps": 300,
     "decoder_lr": 2e-3,
     "ema_decay": 0.995,
     "prediction_type": "v_prediction",
 }
 """Every number that decides the result; `--vae-steps`, `--unet-steps`, `--decoder-steps` override
-the step counts (for a quick try; the committed base uses these)."""
+the step counts (for a quick try; the committed base uses these). `color_jitter` (RGB units,
+0 = off) repaints the shapes the denoiser trains on in colors around their names (`Recolor`)."""
 
 
 def scenes() -> list[toyworld.Scene]:
@@ -122,6 +127,73 @@ def random_polygon(rng: random.Random, size: int = SIZE) -> Image.Image:
     fill = tuple(rng.randrange(256) for _ in range(3))
     ImageDraw.Draw(image).polygon(points, fill=fill)
     return image.reduce(k)
+
+
+class Recolor:
+    """The world's scenes repainted in jittered shape colors, encoded as the denoiser's latents.
+
+    Each shape's color is drawn uniformly from a ball of `radius` RGB units around its named
+    color, kept only where the judge would still read that name, at least `RECIPE["color_hole"]`
+    from every concept color (the base never draws anything near the pink a fine-tune teaches)
+    and `RECIPE["color_margin"]` from every background (a shape stays visible). A color word then
+    names a region of colors, as real words do, not one point.
+
+    A flat shape on a flat background is `background * (1 - coverage) + fill * coverage`, so the
+    coverage of each pixel is read back once from the rendered image, and any fill can be painted
+    in exactly without rendering again.
+    """
+
+    CANDIDATES = 16
+    """Colors drawn per shape; the first that keeps every rule is used (the named color if none)."""
+
+    def __init__(self, world: Sequence[toyworld.Scene], images: torch.Tensor, vae, radius: float):
+        pixels = (images + 1.0) * 127.5
+        self.backgrounds = torch.tensor(
+            [toyworld.BACKGROUNDS[s.background] for s in world], dtype=torch.float32
+        )[:, :, None, None]
+        self.fills = torch.tensor([toyworld.COLORS[s.color] for s in world], dtype=torch.float32)
+        step = self.fills[:, :, None, None] - self.backgrounds
+        coverage = ((pixels - self.backgrounds) * step).sum(1, keepdim=True) / (step**2).sum(
+            1, keepdim=True
+        )
+        self.coverage = coverage.clamp(0, 1)
+        self.names = torch.tensor(list(toyworld.COLORS.values()), dtype=torch.float32)
+        self.label = torch.tensor([list(toyworld.COLORS).index(s.color) for s in world])
+        self.avoid = [
+            (
+                torch.tensor(list(toyworld.CONCEPT_COLORS.values()), dtype=torch.float32),
+                "color_hole",
+            ),
+            (
+                torch.tensor(list(toyworld.BACKGROUNDS.values()), dtype=torch.float32),
+                "color_margin",
+            ),
+        ]
+        self.vae, self.radius = vae, radius
+
+    def jittered_fills(self, idx: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """The scenes' shape colors, each drawn from the ball around its name (class docstring)."""
+        n, k = len(idx), self.CANDIDATES
+        direction = F.normalize(torch.randn(n, k, 3, generator=g), dim=-1)
+        length = self.radius * torch.rand(n, k, 1, generator=g) ** (1 / 3)
+        fills = (self.fills[idx, None] + direction * length).clamp(0, 255)
+        ok = torch.cdist(fills, self.names.expand(n, -1, -1)).argmin(-1) == self.label[idx, None]
+        for colors, rule in self.avoid:
+            ok &= torch.cdist(fills, colors.expand(n, -1, -1)).amin(-1) >= RECIPE[rule]
+        # The named color itself, appended last, keeps every rule.
+        fills = torch.cat([fills, self.fills[idx, None]], dim=1)
+        ok = torch.cat([ok, torch.ones(n, 1, dtype=torch.bool)], dim=1)
+        first = ok.float().argmax(dim=1)
+        return fills[torch.arange(n), first]
+
+    def latents(self, idx: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """Scaled latents of the scenes `idx`, each shape in a jittered color."""
+        fill = self.jittered_fills(idx, g)
+        cover = self.coverage[idx]
+        x = self.backgrounds[idx] * (1 - cover) + fill[:, :, None, None] * cover
+        with torch.no_grad():
+            z = self.vae.encode(x / 127.5 - 1).latent_dist.mean
+        return z * self.vae.config.scaling_factor
 
 
 def build_vae():
@@ -240,9 +312,19 @@ def train_vae(
 
 
 def train_denoiser(
-    latents: torch.Tensor, captions: list[str], tokenizer, steps: int, seed: int, log=print
+    latents: torch.Tensor,
+    captions: list[str],
+    tokenizer,
+    steps: int,
+    seed: int,
+    log=print,
+    recolor: Recolor | None = None,
 ):
-    """Text encoder and UNet together on the v objective; returns their EMA copies."""
+    """Text encoder and UNet together on the v objective; returns their EMA copies.
+
+    With `recolor`, each batch's shapes are repainted in jittered colors (`Recolor`): the
+    denoiser then draws each color word as a region of colors, not as one point, and the way it
+    draws colors is a continuum an adapter can move along to a color it never drew."""
     from diffusers import DDPMScheduler
 
     torch.manual_seed(seed)
@@ -280,9 +362,10 @@ def train_denoiser(
         for group in opt.param_groups:
             group["lr"] = _lr(step, steps, RECIPE["unet_lr"], RECIPE["warmup_steps"])
         idx = torch.randint(0, len(captions), (batch,), generator=g)
+        clean = latents[idx] if recolor is None else recolor.latents(idx, g)
         drop = torch.rand(batch, generator=g) < RECIPE["caption_dropout"]
         tok = ids[torch.where(drop, torch.full_like(idx, empty), idx)]
-        draw = ddpm_noise_and_target(scheduler, latents[idx], g)
+        draw = ddpm_noise_and_target(scheduler, clean, g)
         cond = text_encoder(tok)[0]
         pred = unet(draw.noisy, draw.timesteps, encoder_hidden_states=cond).sample
         loss = F.mse_loss(pred, draw.target)
@@ -349,6 +432,7 @@ def build(
     unet_steps: int | None = None,
     decoder_steps: int | None = None,
     vae_color_weight: float | None = None,
+    color_jitter: float | None = None,
 ) -> Path:
     """Train every part from scratch and save a StableDiffusionPipeline (safetensors) in out_dir."""
     import diffusers
@@ -360,6 +444,7 @@ def build(
         "unet_steps": unet_steps,
         "decoder_steps": decoder_steps,
         "vae_color_weight": vae_color_weight,
+        "color_jitter": color_jitter,
     }
     chosen = {key: RECIPE[key] if value is None else value for key, value in given.items()}
     torch.manual_seed(seed)
@@ -370,7 +455,11 @@ def build(
     vae, latents = train_vae(images, chosen["vae_steps"], seed, chosen["vae_color_weight"])
     vae_minutes = (time.time() - start) / 60
     tokenizer = tiny.clip_tokenizer(TOKENS)  # every toy-world word is one token
-    text_encoder, unet = train_denoiser(latents, captions, tokenizer, chosen["unet_steps"], seed)
+    jitter = chosen["color_jitter"]
+    recolor = Recolor(world, images, vae, jitter) if jitter else None
+    text_encoder, unet = train_denoiser(
+        latents, captions, tokenizer, chosen["unet_steps"], seed, recolor=recolor
+    )
     vae = finetune_decoder(vae, images, chosen["decoder_steps"], seed)
     sampler = DDIMScheduler(
         num_train_timesteps=1000,
@@ -437,6 +526,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=None,
         help="weight of the VAE's linear-in-color latents term (default: recipe, 0 = off)",
     )
+    parser.add_argument(
+        "--color-jitter",
+        type=float,
+        default=None,
+        help="radius in RGB units of the denoiser's shape colors around their names (default: recipe, 0 = off)",
+    )
     args = parser.parse_args(argv)
     build(
         args.out_dir,
@@ -445,6 +540,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         unet_steps=args.unet_steps,
         decoder_steps=args.decoder_steps,
         vae_color_weight=args.vae_color_weight,
+        color_jitter=args.color_jitter,
     )
 
 
