@@ -91,10 +91,9 @@ def test_jittered_shapes_keep_their_layout_their_name_and_a_hole_around_the_conc
     world = toybase.scenes()
     images = toybase.to_tensor([toyworld.render(s, 64, 64) for s in world])
     recolor = toybase.Recolor(world, images, toybase.build_vae().eval(), radius=90.0)
-    cover = recolor.coverage
     # With the named fill, the repainted image is the rendered one (to rounding).
-    same = recolor.backgrounds * (1 - cover) + recolor.fills[:, :, None, None] * cover
-    assert (same / 127.5 - 1 - images).abs().max() < 1 / 127.5
+    every = torch.arange(len(world))
+    assert (recolor.paint(every, recolor.fills) - images).abs().max() < 1 / 127.5
     idx = torch.randint(0, len(world), (2000,), generator=torch.Generator().manual_seed(0))
     fills = recolor.jittered_fills(idx, torch.Generator().manual_seed(1))
     moved = (fills - recolor.fills[idx]).norm(dim=1)

@@ -159,15 +159,10 @@ class Recolor:
         self.coverage = coverage.clamp(0, 1)
         self.names = torch.tensor(list(toyworld.COLORS.values()), dtype=torch.float32)
         self.label = torch.tensor([list(toyworld.COLORS).index(s.color) for s in world])
+        # (colors, the least distance a jittered fill keeps from each of them)
         self.avoid = [
-            (
-                torch.tensor(list(toyworld.CONCEPT_COLORS.values()), dtype=torch.float32),
-                "color_hole",
-            ),
-            (
-                torch.tensor(list(toyworld.BACKGROUNDS.values()), dtype=torch.float32),
-                "color_margin",
-            ),
+            (list(toyworld.CONCEPT_COLORS.values()), RECIPE["color_hole"]),
+            (list(toyworld.BACKGROUNDS.values()), RECIPE["color_margin"]),
         ]
         self.vae, self.radius = vae, radius
 
@@ -178,21 +173,26 @@ class Recolor:
         length = self.radius * torch.rand(n, k, 1, generator=g) ** (1 / 3)
         fills = (self.fills[idx, None] + direction * length).clamp(0, 255)
         ok = torch.cdist(fills, self.names.expand(n, -1, -1)).argmin(-1) == self.label[idx, None]
-        for colors, rule in self.avoid:
-            ok &= torch.cdist(fills, colors.expand(n, -1, -1)).amin(-1) >= RECIPE[rule]
+        for colors, least in self.avoid:
+            far = torch.tensor(colors, dtype=torch.float32).expand(n, -1, -1)
+            ok &= torch.cdist(fills, far).amin(-1) >= least
         # The named color itself, appended last, keeps every rule.
         fills = torch.cat([fills, self.fills[idx, None]], dim=1)
         ok = torch.cat([ok, torch.ones(n, 1, dtype=torch.bool)], dim=1)
         first = ok.float().argmax(dim=1)
         return fills[torch.arange(n), first]
 
-    def latents(self, idx: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        """Scaled latents of the scenes `idx`, each shape in a jittered color."""
-        fill = self.jittered_fills(idx, g)
+    def paint(self, idx: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+        """The scenes `idx` with their shapes in `fill` (RGB 0-255, one per scene), in [-1, 1]."""
         cover = self.coverage[idx]
         x = self.backgrounds[idx] * (1 - cover) + fill[:, :, None, None] * cover
+        return x / 127.5 - 1
+
+    def latents(self, idx: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """Scaled latents of the scenes `idx`, each shape in a jittered color."""
+        x = self.paint(idx, self.jittered_fills(idx, g))
         with torch.no_grad():
-            z = self.vae.encode(x / 127.5 - 1).latent_dist.mean
+            z = self.vae.encode(x).latent_dist.mean
         return z * self.vae.config.scaling_factor
 
 
