@@ -50,8 +50,8 @@ def test_refused_where_there_is_no_adapter_to_switch_off(make_config, network_ty
         fields.update(extra)
     with pytest.raises(ConfigError, match=f"network_type {network_type}: .* no adapter to switch"):
         train(load_config(make_config(**fields)))
-    live = {"preservation": KEEP, "train_text_encoder": True}
-    with pytest.raises(ConfigError, match="with train_text_encoder"):
+    live = {"slider": SLIDE, "train_text_encoder": True}
+    with pytest.raises(ConfigError, match="slider with train_text_encoder"):
         train(load_config(make_config("live.json", **live)))
 
 
@@ -117,6 +117,92 @@ def test_preservation_loss_is_zero_for_an_untrained_adapter_and_grows_with_it(ma
     assert light > 1e-4 and heavy == pytest.approx(3 * light, rel=1e-3)
 
 
+def test_trained_text_encoders_preserve_against_the_base_encoders(make_config, tmp_path, dataset):
+    """With `train_text_encoder`, the adapter's pass reads the preservation prompts as the trained
+    encoders encode them, the base's pass as the base's encoders did, and a base-prediction
+    sample's target is the base's prediction for its caption as the base encodes it."""
+    import shutil
+
+    from kit.train.objective import elementwise_loss
+
+    reg = tmp_path / "reg"
+    reg.mkdir()
+    for i, im in enumerate(sorted(dataset.glob("*.png"))[:2]):
+        shutil.copy(im, reg / f"reg_{i}.png")
+        (reg / f"reg_{i}.txt").write_text("a small red circle on a white background, in the center")
+    datasets = [
+        {"name": "chars", "image_dir": str(dataset)},
+        {"image_dir": str(reg), "role": "prior", "target": "base_prediction"},
+    ]
+    fields = {
+        "preservation": KEEP,
+        "train_text_encoder": True,
+        "image_dir": "",
+        "datasets": datasets,
+    }
+    s = _prepared(make_config, **fields)
+    base = _prepared(make_config, image_dir="", datasets=datasets)  # the base, no preservation
+    prior = [i for i, x in enumerate(s.data.samples) if x.dataset == 1]
+    mine = [i for i, x in enumerate(s.data.samples) if x.dataset == 0]
+    text_lora = [p for n, p in s.comps.text_encoders[0].named_parameters() if "lora_B" in n]
+    assert text_lora
+    with torch.no_grad():
+        for p in text_lora:  # only the text encoder's adapter moves: the denoiser's is the base
+            p.normal_(std=0.5)
+
+    def live_batch(indices):
+        batch = s.data.load_batch(indices)
+        captions = [s.data.variant_texts[i][0] for i in indices]
+        kept = [s.data.preserve_texts[i][0] for i in indices]
+        with torch.no_grad():
+            text = s.family.encode_text(s.comps, captions)
+            s.regular.add_live_text(s.family, s.comps, batch, text, kept)
+        batch.update(text)
+        return batch, captions, kept
+
+    # The trained samples: the preservation term is the adapter's prediction for the kept prompt
+    # (trained encoders) against the base's (cached, base encoders).
+    batch, _, kept = live_batch(mine[:2])
+    assert "preserve.own.prompt_embeds" not in batch  # no base-prediction sample in this batch
+    with torch.no_grad():
+        with s.method.adapter_off(s.comps):  # the base's encoders
+            cached = s.family.encode_text(s.comps, kept)["prompt_embeds"]
+        assert torch.allclose(batch["preserve.prompt_embeds"], cached, atol=1e-5)
+        live = s.family.encode_text(s.comps, kept)["prompt_embeds"]
+        assert not torch.allclose(live, cached, atol=1e-3)
+        draw = s.family.noise_and_target(
+            s.comps, batch["latents"], torch.Generator().manual_seed(0)
+        )
+        extras = {
+            k: batch.pop(k) for k in list(batch) if k.startswith(("preserve.", "base_target"))
+        }
+        _, _, extra = s.regular(s.family, s.comps, draw, batch, extras)
+        noisy, t = draw.noisy, draw.timesteps
+        student = base.family.predict(base.comps, noisy, t, {"prompt_embeds": live})
+        teacher = base.family.predict(base.comps, noisy, t, {"prompt_embeds": cached})
+    want = elementwise_loss(student, teacher).flatten(1).mean(1) * KEEP["weight"]
+    torch.testing.assert_close(extra, want, rtol=1e-4, atol=1e-7)
+    assert float(extra.min()) > 0
+    # A base-prediction sample: its target is the base's prediction for its caption as the base's
+    # encoders read it, so the loss of the base's own pass on that caption is zero.
+    batch, captions, _ = live_batch(prior[:2])
+    with torch.no_grad():
+        with s.method.adapter_off(s.comps):
+            mine_base = s.family.encode_text(s.comps, captions)["prompt_embeds"]
+        assert torch.allclose(batch["preserve.own.prompt_embeds"], mine_base, atol=1e-5)
+        assert not torch.allclose(batch["prompt_embeds"], mine_base, atol=1e-3)
+        draw = s.family.noise_and_target(
+            s.comps, batch["latents"], torch.Generator().manual_seed(1)
+        )
+        extras = {
+            k: batch.pop(k) for k in list(batch) if k.startswith(("preserve.", "base_target"))
+        }
+        _, target, _ = s.regular(s.family, s.comps, draw, batch, extras)
+        cond = {"prompt_embeds": extras["preserve.own.prompt_embeds"]}
+        own = base.family.predict(base.comps, draw.noisy, draw.timesteps, cond)
+    torch.testing.assert_close(target, own, rtol=1e-4, atol=1e-6)
+
+
 def test_base_prediction_target_trains_toward_the_base(make_config, tmp_path, dataset):
     """Prior samples with `target: base_prediction` have zero loss while the adapter is the base."""
     import shutil
@@ -154,7 +240,8 @@ def _adapter(run_dir, step):
     return load_file(str(ckpt.checkpoint_dir(run_dir, step) / ckpt.ADAPTER_FILE))
 
 
-def test_preservation_run_resumes_bit_for_bit_under_accumulation(tmp_path, make_config):
+@pytest.mark.parametrize("live", [False, True], ids=["cached-text", "train_text_encoder"])
+def test_preservation_run_resumes_bit_for_bit_under_accumulation(tmp_path, make_config, live):
     from kit.train.loop import train
 
     common = {
@@ -164,6 +251,7 @@ def test_preservation_run_resumes_bit_for_bit_under_accumulation(tmp_path, make_
         "lora_dropout": 0.1,
         "caption_dropout": 0.2,
         "preservation": KEEP,
+        "train_text_encoder": live,
     }
     a, b, plain = tmp_path / "a", tmp_path / "b", tmp_path / "plain"
     train(load_config(make_config("a.json", output_dir=str(a), **common)))
@@ -216,6 +304,15 @@ def test_estimate_counts_the_preservation_passes(tiny_sd15, monkeypatch, tmp_pat
     kept = estimate(cfg).components["activations"]
     assert calls, "a run with preservation has its own trace"
     assert 1.7 < kept / plain < 2.3, (kept, plain)
+    # Trained text encoders encode the preservation prompts too, with gradients.
+    peaks = []
+    monkeypatch.setattr(estimating, "trace", lambda *a: peaks.append(traced(*a)) or peaks[-1])
+    cfg.network.train_text_encoder = True
+    estimate(cfg)
+    cfg.objective.preservation = None
+    estimate(cfg)
+    live_kept, live_plain = (p["peak"]["text_encoder"] for p in peaks)
+    assert 1.7 < live_kept / live_plain < 2.3, (live_kept, live_plain)
     estimating.forget_traces()
 
 

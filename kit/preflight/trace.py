@@ -395,7 +395,9 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
                 for t in torch.utils._pytree.tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor)
             )
-            text_ids = _text_inputs(family, parts, shape.batch) if live_text else {}
+            # Trained text encoders encode the captions and their preservation prompts.
+            text_rows = shape.batch * trained_rows
+            text_ids = _text_inputs(family, parts, text_rows) if live_text else {}
             extra = []
             for name, ids in text_ids.items():
                 counter.tag = name

@@ -30,6 +30,12 @@ from kit.families import Components, Family
 EXTRA_KEYS = ("preserve.", "base_target")
 """Batch keys (prefixes) the loss takes out before the denoiser sees the batch."""
 
+LIVE, OWN = "preserve.live.", "preserve.own."
+"""Under trained text encoders: the preservation prompts as the trained encoders encode them
+(the adapter's pass), and the batch's captions as the base's encoders did (the base's pass on
+a base-prediction sample). `preserve.<key>` alone is the preservation prompt as the base's
+encoders encoded it (cached)."""
+
 
 def check_preservation(cfg: Config, method: Any) -> None:
     """Refuse preservation or base-prediction targets where there is no base to compare with."""
@@ -54,11 +60,10 @@ def check_preservation(cfg: Config, method: Any) -> None:
             "adapter to switch off, so there is no base model's prediction to keep; train an "
             "adapter (network_type lora, loha, lokr or dora), or remove it"
         )
-    if method.live_text:
+    if method.live_text and cfg.objective.slider is not None:
         raise ConfigError(
-            f"{what} with train_text_encoder: the base's prediction needs the captions encoded "
-            "by the text encoders without their adapters, which cached preservation prompts "
-            "cannot follow; set train_text_encoder: false, or remove it"
+            "slider with train_text_encoder: a slider's prompts are encoded once, by the base's "
+            "text encoders, so their adapters would not learn; set train_text_encoder: false"
         )
 
 
@@ -97,6 +102,24 @@ class Preserver:
         self.keep = cfg.objective.preservation
         self.elementwise = elementwise  # (pred, target) -> per-element loss (`loss_type`)
 
+    def add_live_text(
+        self,
+        family: Family,
+        comps: Components,
+        batch: dict[str, torch.Tensor],
+        captions: dict[str, torch.Tensor],
+        kept_texts: list[str],
+    ) -> None:
+        """Under trained text encoders, before `captions` (the batch's captions as the trained
+        encoders encode them) replace the cached ones in `batch`: the cached ones are kept for
+        the base's pass on base-prediction samples, and the preservation prompts are encoded by
+        the trained encoders for the adapter's pass (their cached encodings stay the base's)."""
+        toward = batch.get("base_target")
+        if toward is not None and bool(toward.any()):
+            batch.update({OWN + k: batch[k] for k in captions if k in batch})
+        if kept_texts:
+            batch.update({LIVE + k: v for k, v in family.encode_text(comps, kept_texts).items()})
+
     def __call__(
         self,
         family: Family,
@@ -107,14 +130,21 @@ class Preserver:
         generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(prediction, target, per-sample preservation loss or None) of the batch."""
-        kept = {k.removeprefix("preserve."): v for k, v in extras.items() if k != "base_target"}
+        kept, live, own_text = {}, {}, {}
+        for k, v in extras.items():
+            if k.startswith(LIVE):
+                live[k.removeprefix(LIVE)] = v
+            elif k.startswith(OWN):
+                own_text[k.removeprefix(OWN)] = v
+            elif k != "base_target":
+                kept[k.removeprefix("preserve.")] = v
         toward = extras.get("base_target")
         own = toward is not None and bool(toward.any())
         noisy, t = draw.noisy, draw.timesteps
         with_kept = {**batch, **kept}
         base: list[torch.Tensor] = []
         if kept or own:
-            sets = ([with_kept] if kept else []) + ([batch] if own else [])
+            sets = ([with_kept] if kept else []) + ([{**batch, **own_text}] if own else [])
             with torch.no_grad(), self.method.adapter_off(comps):
                 base = predict_sets(family, comps, noisy, t, sets)
         target = draw.target
@@ -124,6 +154,6 @@ class Preserver:
             target = torch.where(pick, mine, target)
         if not kept:
             return family.predict(comps, noisy, t, batch), target, None
-        pred, pred_kept = predict_sets(family, comps, noisy, t, [batch, with_kept])
+        pred, pred_kept = predict_sets(family, comps, noisy, t, [batch, {**with_kept, **live}])
         extra = self.elementwise(pred_kept, base[0]).flatten(1).mean(1) * self.keep.weight
         return pred, target, extra

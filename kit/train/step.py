@@ -15,6 +15,7 @@ import torch
 from kit.errors import ConfigError, KitError
 from kit.run.env import cpu_bf16
 from kit.train.objective import denoising_loss, drop_captions
+from kit.train.preserve import Preserver
 from kit.train.state import TrainState
 
 
@@ -62,7 +63,12 @@ def micro_step(
                     "" if d else s.data.variant_texts[i][variants[j] if variants else 0]
                     for j, (i, d) in enumerate(zip(indices, dropped, strict=True))
                 ]
-                batch.update(s.family.encode_text(s.comps, captions))
+                text = s.family.encode_text(s.comps, captions)
+                if isinstance(s.regular, Preserver):
+                    kept, pick = s.data.preserve_texts, variants or [0] * len(indices)
+                    texts = [kept[i][v] for i, v in zip(indices, pick, strict=True)] if kept else []
+                    s.regular.add_live_text(s.family, s.comps, batch, text, texts)
+                batch.update(text)
             loss = denoising_loss(s.family, s.comps, batch, generator, s.device, s.regular)
         acc.backward(loss)
         grad_norm = None
