@@ -1,7 +1,8 @@
 """What output preservation, blank-prompt preservation and sliders cost per training step.
 
 Each setting trains the demo config (`datasets_example/config.json`: the toy SD1.5 base, its 24 +
-8 images, LoRA on the cross-attention's keys and values) as a user runs it, `python -m kit train
+8 images, LoRA on the cross-attention's keys and values, without its preservation and
+text-encoder adapter unless the setting names them) as a user runs it, `python -m kit train
 CONFIG`, in a fresh process, for the same steps; settings alternate round by round (A B C A B C)
 so a busy machine weighs on each alike. The table gives steady steps/s (the first `--warmup`
 steps left out), the time ratio per step against plain training in the same run, and the
@@ -34,6 +35,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
         "preservation": {"kind": "output", "class_words": {"zorbic": "pink"}, "weight": 1.0}
     },
     "blank preservation": {"preservation": {"kind": "blank", "weight": 1.0}},
+    "text encoder trained": {"train_text_encoder": True},
+    "output preservation, text encoder trained": {
+        "preservation": {"kind": "output", "class_words": {"zorbic": "pink"}, "weight": 1.0},
+        "train_text_encoder": True,
+    },
     "slider": {
         "slider": {
             "target": "a red circle on a white background, in the center",
@@ -48,8 +54,10 @@ SETTINGS: dict[str, dict[str, Any]] = {
 def config(out: Path, steps: int, overrides: dict[str, Any]) -> Path:
     """The demo config with absolute paths, no validation or checkpoints, and `overrides`."""
     fields = json.loads(DEMO.read_text())
-    # The demo trains with output preservation: each setting here starts from the plain run.
-    fields = {k: v for k, v in fields.items() if not k.startswith("_") and k != "preservation"}
+    # The demo trains with output preservation and its text encoder: each setting here starts
+    # from the plain run (the denoiser's LoRA alone) and adds what it names.
+    dropped = ("preservation", "train_text_encoder")
+    fields = {k: v for k, v in fields.items() if not k.startswith("_") and k not in dropped}
     for key in ("pretrained_model", "image_dir"):
         fields[key] = str((DEMO.parent / fields[key]).resolve())
     fields.update(

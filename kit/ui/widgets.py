@@ -14,6 +14,7 @@ from kit.config import Config, load_config
 from kit.data import video
 from kit.data.captions import has_word, save_caption
 from kit.data.scan import Sample, caption_path
+from kit.families import get_family
 from kit.logs import quiet_libraries
 from kit.preflight.estimate import GIB, GPUS, estimate
 from kit.report.plots import metrics_figure
@@ -164,17 +165,22 @@ def estimates_on(cfg: Config, models: Iterable[tuple[str, str, int]]) -> dict[st
     """The config's estimate on other architectures: (family, model, resolution) each.
 
     A shipped hub id (kit.families.shipped) needs no download: only its architecture is built.
-    Another family's model is adapted where that family's LoRA goes by default.
+    Another family's model is adapted where that family's LoRA goes by default, and its text
+    encoders train only where a LoRA can be loaded into them (the label says when they do not).
     """
     out = {}
     for family, model, resolution in models:
         other = cfg.replace(model_family=family, pretrained_model=model, resolution=resolution)
+        label = f"{model.rsplit('/', 1)[-1]} at {resolution} px"
         if family != cfg.model.model_family:
             # Module names differ between architectures: the other family's default targets.
             other = other.replace(
                 lora_target_modules=[], only_if_contains=[], ignore_if_contains=[]
             )
-        out[f"{model.rsplit('/', 1)[-1]} at {resolution} px"] = estimate(other)
+            if other.network.train_text_encoder and not get_family(family).kohya_text_prefixes:
+                other = other.replace(train_text_encoder=False, text_encoders=[])
+                label += ", text encoders frozen"
+        out[label] = estimate(other)
     return out
 
 
