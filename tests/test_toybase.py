@@ -74,13 +74,13 @@ def test_the_recipe_names_the_command_that_rebuilds_it(tmp_path):
         vae_steps=2,
         unet_steps=1,
         decoder_steps=1,
-        vae_color_weight=1.0,
+        vae_color_weight=0.5,
         color_jitter=20.0,
     )
     recipe = json.loads((out / "recipe.json").read_text())
-    assert recipe["vae_color_weight"] == 1.0 and recipe["color_jitter"] == 20.0
+    assert recipe["vae_color_weight"] == 0.5 and recipe["color_jitter"] == 20.0
     assert recipe["command"].endswith(
-        "--seed 2 --vae-steps 2 --unet-steps 1 --decoder-steps 1 --vae-color-weight 1.0"
+        "--seed 2 --vae-steps 2 --unet-steps 1 --decoder-steps 1 --vae-color-weight 0.5"
         " --color-jitter 20.0"
     )
 

@@ -10,17 +10,19 @@ file, read top to bottom:
    polygons of random colors: a codec should code any flat shape in any color, so that a later
    fine-tune can teach a color (the pink `zorbic`) that the denoiser has never drawn. Trained on
    the six toy colors alone, it decoded every other color as the nearest of them.
-   `--vae-color-weight` (off in the committed base) also holds three latent channels to the
-   image's colors, so that the latents are linear in color (models/toy-sd15/RECIPE.md, "A deeper
-   pink", measures what that changes).
+   Three latent channels are also held to the image's colors (`vae_color_weight`), so that the
+   latents are linear in color, as SD's nearly are: without it the VAE coded a color it had not
+   seen in its first few hundred steps only after thousands, and brought the pink back pale
+   (models/toy-sd15/RECIPE.md, "A deeper pink").
 3. Text encoder (a 2-layer CLIP) and UNet trained together from scratch on the v objective
    with the original DDPM noise schedule (linear betas: almost no signal left at t = T, so a
    plain-white or plain-black image can be drawn from pure noise). Not epsilon: at high noise
    predicting the noise is nearly free (it is almost the input), so an epsilon model learns
    little where the layout is decided, and its samples ignore the prompt; v asks for the clean
    image there. 10% of captions are dropped to "" so classifier-free guidance works. An EMA of
-   the weights is what gets saved. `--color-jitter` (off in the committed base) paints each
-   shape in a color around its name rather than at it, so that a color word names a region.
+   the weights is what gets saved. Each shape is painted in a color around its name rather
+   than at it (`color_jitter`, `Recolor`), so that a color word names a region, as it does for
+   a real base that has drawn many reds for "red".
 4. The VAE's decoder alone trains a little more on the frozen encoder's latents (the UNet's
    latents stay valid), slightly noised so that it forgives the UNet's errors; half of its batch
    is random polygons too, so that it keeps every color.
@@ -64,18 +66,18 @@ TOKENS = 32
 """Token slots per caption: the longest toy caption takes 25 with its start and end marks."""
 RECIPE = {
     "seed": 0,
-    "vae_steps": 1500,
+    "vae_steps": 4000,
     "vae_batch": 8,
     "vae_lr": 3e-3,
     "vae_kl_weight": 1e-6,
-    "vae_color_weight": 0.0,
+    "vae_color_weight": 1.0,
     "vae_polygon_share": 0.5,
     "unet_steps": 4000,
     "unet_batch": 24,
     "unet_lr": 1.5e-3,
     "warmup_steps": 50,
     "caption_dropout": 0.1,
-    "color_jitter": 0.0,
+    "color_jitter": 60.0,
     "color_hole": 80.0,
     "color_margin": 60.0,
     "decoder_steps": 300,
