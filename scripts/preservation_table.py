@@ -23,14 +23,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "datasets_example" / "config.json"
 PINK = {"zorbic": "pink"}
-BEFORE = {"preservation": None, "learning_rate": 0.001}
-"""The demo config as it was before it adopted output preservation: each setting's baseline,
-so the table compares one change at a time (the demo's own setting is `output w3 lr1.5e-3`)."""
+BEFORE = {"preservation": None}
+"""Each setting's baseline: the demo config without preservation, so the table compares one
+change at a time (the demo's own setting is `output w4`)."""
 
 
 def _output(weight: float, **more: object) -> dict:
     return {"preservation": {"kind": "output", "class_words": PINK, "weight": weight}, **more}
 
+
+NO_TEXT = {"train_text_encoder": False}
 
 SETTINGS: dict[str, dict] = {
     "none": {},
@@ -39,13 +41,13 @@ SETTINGS: dict[str, dict] = {
     "prior_prediction": {"_split": True},
     "output+prior_prediction": _output(1.0, _split=True),
     "output w4": _output(4.0),
-    "none lr2e-3": {"learning_rate": 0.002},
-    "output w2 lr2e-3": _output(2.0, learning_rate=0.002),
-    "output w4 lr2e-3": _output(4.0, learning_rate=0.002),
-    "output w3 lr1.5e-3": _output(3.0, learning_rate=0.0015),
-    "output w4 lr2e-3 prior_prediction": _output(4.0, learning_rate=0.002, _split=True),
-    "output w6 lr3e-3": _output(6.0, learning_rate=0.003),
-    "output w4 lr2e-3 160 steps": _output(4.0, learning_rate=0.002, max_train_steps=160),
+    "output w8": _output(8.0),
+    "output w4+prior_prediction": _output(4.0, _split=True),
+    "none, no text encoder": NO_TEXT,
+    "output, no text encoder": _output(1.0, **NO_TEXT),
+    "output w4, no text encoder": _output(4.0, **NO_TEXT),
+    "none, 360 steps": {"max_train_steps": 360},
+    "output, 360 steps": _output(1.0, max_train_steps=360),
 }
 """Setting name → the demo config's overrides (`_split`: prior images as a base-prediction set)."""
 
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)  # as models/toy-sd15 was measured: the numbers repeat exactly
     extra = {k: json.loads(v) for k, v in args.set}
-    out = Path(args.out_dir)
+    out = Path(args.out_dir).resolve()  # the run configs are read from datasets_example/
     rows = []
     for name in args.only:
         label = f"{name} {args.label}" if args.label else name

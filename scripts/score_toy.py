@@ -29,8 +29,10 @@ from kit.toy import world as toyworld
 from kit.toy.drift import drift_measures, drift_scenes
 from kit.toy.judge import score
 
-SETTINGS = {"num_inference_steps": 20, "guidance_scale": 5.0, "width": 64, "height": 64}
-"""How the learning report draws: DDIM 20 steps, guidance 5, 64x64."""
+SETTINGS = {"num_inference_steps": 20, "width": 64, "height": 64}
+"""How the learning report draws: DDIM 20 steps, 64x64, at the demo's guidance (`GUIDANCE`)."""
+GUIDANCE = {"base": 5.0, "lora": 2.0}
+"""Default guidance: the toy's usual 5 for the base, the demo's 2 for a LoRA (`--guidance`)."""
 
 
 def pipeline(base: str):
@@ -44,10 +46,12 @@ def pipeline(base: str):
     return pipe
 
 
-def draw(pipe, prompts: list[str]) -> list:
+def draw(pipe, prompts: list[str], guidance: float) -> list:
     """One image per prompt, prompt i drawn with seed i."""
     return [
-        pipe(p, generator=torch.Generator().manual_seed(i), **SETTINGS).images[0]
+        pipe(
+            p, generator=torch.Generator().manual_seed(i), guidance_scale=guidance, **SETTINGS
+        ).images[0]
         for i, p in enumerate(prompts)
     ]
 
@@ -63,13 +67,16 @@ def judged(images: list, scenes: list[toyworld.Scene], concept: str, keep: dict 
     return {**{k: round(v, 4) for k, v in result.items()}, "concept_rate": shown / len(verdicts)}
 
 
-def score_base(base: str, seeds: int, seed: int = 123) -> dict:
+def score_base(base: str, seeds: int, seed: int = 123, guidance: float = GUIDANCE["base"]) -> dict:
     """The base model on `seeds` toy scenes (the seed of the scene list is fixed)."""
     scenes = toyworld.sample_scenes(seeds, seed)
-    return judged(draw(pipeline(base), [toyworld.caption(s) for s in scenes]), scenes, "")
+    images = draw(pipeline(base), [toyworld.caption(s) for s in scenes], guidance)
+    return judged(images, scenes, "")
 
 
-def score_lora(base: str, lora: str, trigger: str, seeds: int) -> dict:
+def score_lora(
+    base: str, lora: str, trigger: str, seeds: int, guidance: float = GUIDANCE["lora"]
+) -> dict:
     """Trigger and unrelated prompts without, then with, the LoRA."""
     try:
         groups = drift_scenes(trigger, seeds)
@@ -82,7 +89,7 @@ def score_lora(base: str, lora: str, trigger: str, seeds: int) -> dict:
         if label == "after":
             pipe.load_lora_weights(lora)
         for name, scenes in groups.items():
-            images = draw(pipe, [toyworld.caption(s) for s in scenes])
+            images = draw(pipe, [toyworld.caption(s) for s in scenes], guidance)
             kept: dict = {}
             out[f"{name}_{label}"] = judged(images, scenes, trigger, kept)
             verdicts[f"{name}_{label}"] = kept["verdicts"]
@@ -115,17 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("base")
     b.add_argument("--seeds", type=int, default=64)
     b.add_argument("--json", default=None)
+    b.add_argument("--guidance", type=float, default=GUIDANCE["base"])
     lo = sub.add_parser("lora", help="score a LoRA file on the base model")
     lo.add_argument("base")
     lo.add_argument("lora")
     lo.add_argument("--trigger", default=toyworld.TRIGGER_WORD)
     lo.add_argument("--seeds", type=int, default=32)
     lo.add_argument("--json", default=None)
+    lo.add_argument("--guidance", type=float, default=GUIDANCE["lora"], help="the run's")
     args = parser.parse_args(argv)
     if args.what == "base":
-        result = score_base(args.base, args.seeds)
+        result = score_base(args.base, args.seeds, guidance=args.guidance)
     else:
-        result = score_lora(args.base, args.lora, args.trigger, args.seeds)
+        result = score_lora(args.base, args.lora, args.trigger, args.seeds, args.guidance)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

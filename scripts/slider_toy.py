@@ -84,12 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     from kit.train.loop import train
 
     torch.set_num_threads(1)
-    out = Path(args.out_dir)
+    out = Path(args.out_dir).resolve()  # the run config is read from datasets_example/
     run = out / "run"
     extra = {k: json.loads(v) for k, v in args.set}
-    # A slider trains from its prompt pair alone: the demo's preservation is not part of it,
-    # and its learning rate is the one the slider was measured at.
-    fields = {"preservation": None, "learning_rate": 0.001, "output_dir": str(run)}
+    # A slider trains from its prompt pair alone, on the denoiser: the demo's preservation and
+    # text-encoder adapter are not part of it, and its rate and steps are the ones it was
+    # measured at.
+    fields = {
+        "preservation": None,
+        "train_text_encoder": False,
+        "learning_rate": 0.001,
+        "max_train_steps": 120,
+        "output_dir": str(run),
+    }
     cfg = load_config(DEMO, {**fields, "validation_steps": 0, "slider": SLIDER, **extra})
     train(cfg, overwrite=True)
     scales = cfg.objective.slider.scales
