@@ -117,23 +117,28 @@ def test_preservation_loss_is_zero_for_an_untrained_adapter_and_grows_with_it(ma
     assert light > 1e-4 and heavy == pytest.approx(3 * light, rel=1e-3)
 
 
+def _with_base_prediction_set(tmp_path, dataset, n: int) -> list[dict]:
+    """The dataset, and `n` of its images as a prior set trained toward the base's prediction."""
+    import shutil
+
+    reg = tmp_path / "reg"
+    reg.mkdir()
+    for i, im in enumerate(sorted(dataset.glob("*.png"))[:n]):
+        shutil.copy(im, reg / f"reg_{i}.png")
+        (reg / f"reg_{i}.txt").write_text("a small red circle on a white background, in the center")
+    return [
+        {"name": "chars", "image_dir": str(dataset)},
+        {"image_dir": str(reg), "role": "prior", "target": "base_prediction"},
+    ]
+
+
 def test_trained_text_encoders_preserve_against_the_base_encoders(make_config, tmp_path, dataset):
     """With `train_text_encoder`, the adapter's pass reads the preservation prompts as the trained
     encoders encode them, the base's pass as the base's encoders did, and a base-prediction
     sample's target is the base's prediction for its caption as the base encodes it."""
-    import shutil
-
     from kit.train.objective import elementwise_loss
 
-    reg = tmp_path / "reg"
-    reg.mkdir()
-    for i, im in enumerate(sorted(dataset.glob("*.png"))[:2]):
-        shutil.copy(im, reg / f"reg_{i}.png")
-        (reg / f"reg_{i}.txt").write_text("a small red circle on a white background, in the center")
-    datasets = [
-        {"name": "chars", "image_dir": str(dataset)},
-        {"image_dir": str(reg), "role": "prior", "target": "base_prediction"},
-    ]
+    datasets = _with_base_prediction_set(tmp_path, dataset, 2)
     fields = {
         "preservation": KEEP,
         "train_text_encoder": True,
@@ -205,19 +210,9 @@ def test_trained_text_encoders_preserve_against_the_base_encoders(make_config, t
 
 def test_base_prediction_target_trains_toward_the_base(make_config, tmp_path, dataset):
     """Prior samples with `target: base_prediction` have zero loss while the adapter is the base."""
-    import shutil
-
     from kit.train.objective import denoising_loss
 
-    reg = tmp_path / "reg"
-    reg.mkdir()
-    for i, im in enumerate(sorted(dataset.glob("*.png"))[:4]):
-        shutil.copy(im, reg / f"reg_{i}.png")
-        (reg / f"reg_{i}.txt").write_text("a small red circle on a white background, in the center")
-    datasets = [
-        {"name": "chars", "image_dir": str(dataset)},
-        {"image_dir": str(reg), "role": "prior", "target": "base_prediction"},
-    ]
+    datasets = _with_base_prediction_set(tmp_path, dataset, 4)
     s = _prepared(make_config, image_dir="", datasets=datasets)
     prior = [i for i, x in enumerate(s.data.samples) if x.dataset == 1]
     mine = [i for i, x in enumerate(s.data.samples) if x.dataset == 0]
