@@ -65,8 +65,10 @@ def micro_step(
                 ]
                 text = s.family.encode_text(s.comps, captions)
                 if isinstance(s.regular, Preserver):
-                    kept, pick = s.data.preserve_texts, variants or [0] * len(indices)
-                    texts = [kept[i][v] for i, v in zip(indices, pick, strict=True)] if kept else []
+                    kept = s.data.preserve_texts  # per sample and variant, as the captions
+                    texts = [
+                        kept[i][variants[j] if variants else 0] for j, i in enumerate(indices)
+                    ] if kept else []  # fmt: skip
                     s.regular.add_live_text(s.family, s.comps, batch, text, texts)
                 batch.update(text)
             loss = denoising_loss(s.family, s.comps, batch, generator, s.device, s.regular)
