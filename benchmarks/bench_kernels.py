@@ -169,10 +169,10 @@ def unet_step(variant: str, device: str, dtype: Any, px: int) -> Callable[[], No
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
     torch.manual_seed(0)
-    config = UNet2DConditionModel.load_config(MODEL_CONFIGS / "sd15" / "unet")
+    config = UNet2DConditionModel.load_config(shipped_dir("sd15") / "unet")
     unet = UNet2DConditionModel.from_config(config).to(device, dtype)
     unet.requires_grad_(False)
     unet.add_adapter(

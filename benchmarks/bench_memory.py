@@ -61,11 +61,11 @@ def small_model(family: str, out: Path) -> Path:
     from diffusers import UNet2DConditionModel
 
     from kit.families import get_family
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
     get_family(family).make_tiny(out, seed=0)
     tiny = UNet2DConditionModel.load_config(out / "unet")
-    config = dict(UNet2DConditionModel.load_config(MODEL_CONFIGS / family / "unet"))
+    config = dict(UNet2DConditionModel.load_config(shipped_dir(family) / "unet"))
     change = dict(SMALL[family])
     width = change.pop("width")
     config["block_out_channels"] = [c // width for c in config["block_out_channels"]]

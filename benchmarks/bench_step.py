@@ -75,9 +75,9 @@ SAMPLE_STEPS = 2
 def write_real_sd15(out: Path) -> Path:
     """The real SD1.5 architecture (shipped configs, random weights) in diffusers layout,
     built by gpu_check's `build_model` in fp32 on the CPU."""
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
-    return sibling("gpu_check").build_model("sd15", MODEL_CONFIGS / "sd15", out, "float32", "cpu")
+    return sibling("gpu_check").build_model("sd15", shipped_dir("sd15"), out, "float32", "cpu")
 
 
 def write_inputs(tmp: Path, job: str) -> tuple[Path, Path]:
@@ -470,11 +470,11 @@ def write_sdxl_base(out: Path, tiny: bool, device: str) -> Path:
     """The SDXL base: the tiny model, or the real architecture from the shipped configs with
     random weights (built on `device`, stored in fp16, by gpu_check's `build_model`)."""
     from kit.families import get_family
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
     if tiny:
         return Path(get_family("sdxl").make_tiny(out, seed=SEED))
-    return sibling("gpu_check").build_model("sdxl", MODEL_CONFIGS / "sdxl", out, "float16", device)
+    return sibling("gpu_check").build_model("sdxl", shipped_dir("sdxl"), out, "float16", device)
 
 
 def sibling(name: str) -> Any:

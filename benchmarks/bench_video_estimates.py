@@ -4,7 +4,7 @@ TI2V-5B), with quantization and block swapping, beside the figures other trainer
     python benchmarks/bench_video_estimates.py            # a markdown table (a trace per shape)
     python benchmarks/bench_video_estimates.py --json
 
-Every architecture is built from the configs the kit ships (kit/families/model_configs) on the
+Every architecture is built from the configs the kit ships (kit/families/<family>/configs) on the
 meta device: nothing is downloaded, nothing is measured. "One 14B expert alone" is the A14B's
 high-noise transformer as a base of its own (its configs without `transformer_2`: Wan 2.1
 T2V 14B's architecture): the same expert on the accelerator, with nothing waiting in host RAM.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kit.config import from_dict
 from kit.errors import KitError
-from kit.families.shipped import MODEL_CONFIGS
+from kit.families.shipped import shipped_dir
 from kit.preflight.estimate import GIB, GPUS, estimate
 
 A14B = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
@@ -70,7 +70,7 @@ ROWS = [
 def one_expert_base(dst: Path) -> Path:
     """The A14B's configs with only its high-noise `transformer`: one 14B Wan transformer (the
     architecture of Wan 2.1 T2V 14B) as a base of its own, configs only."""
-    src = MODEL_CONFIGS / "wan22-t2v-a14b"
+    src = shipped_dir("wan22-t2v-a14b")
     dst.mkdir(parents=True, exist_ok=True)
     for sub in ("transformer", "text_encoder", "vae", "scheduler"):
         shutil.copytree(src / sub, dst / sub, dirs_exist_ok=True)

@@ -3,7 +3,7 @@
 For SD1.5 and SDXL LoRA (512 and 1024 px, bf16 and fp16), textual inversion in bf16, and Flux-dev
 LoRA at 512 px with the base stored in nf4, in fp8, or with blocks swapped to the CPU, each case:
 
-1. builds the architecture from the configs the kit ships (kit/families/model_configs) with
+1. builds the architecture from the configs the kit ships (kit/families/<family>/configs) with
    random weights, written once per architecture as a diffusers folder (tokenizers made offline,
    CLIP's sized to the full 49,408-token vocabulary so textual inversion grows the same table);
 2. trains it with the kit's own `kit.train.loop.train` for a few steps on a few synthetic
@@ -24,7 +24,7 @@ its "kit vs script" table: steps/s, peak VRAM, MFU; `--no-cases` runs that compa
 `--dry-run` prints the plan, builds every case's config and runs the estimator, without a GPU.
 `--tiny --device cpu` runs the same path end to end on the families' tiny models (a smoke test).
 
-Any other shipped architecture (a folder of kit/families/model_configs with its shipped.json,
+Any other shipped architecture (a folder of kit/families/<family>/configs with its shipped.json,
 such as a new family's) gets LoRA cases at 512 and 1024 px in bf16 with `--arch FOLDER`; its
 time limits and disk space are sized from its denoiser's published size until measured.
 
@@ -72,9 +72,13 @@ COMPARE_SIDE_S = {
 COMPARE_BUILD_S = {False: 150, True: 30}  # the SDXL folder's build, when not already there
 
 
-SHIPPED_DIR = ROOT / "kit" / "families" / "model_configs"
-"""The shipped architectures' folders, each described by its `shipped.json` (read here as
-kit.families.shipped reads it, without importing the kit into the parent process)."""
+SHIPPED_DIRS = {
+    path.parent.name: path.parent
+    for path in (ROOT / "kit" / "families").glob("*/configs/*/shipped.json")
+}
+"""The shipped architectures' folders by name (`<family>/configs/<name>/`), each described by its
+`shipped.json` (read here as kit.families.shipped reads it, without importing the kit into the
+parent process)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ def shipped_arch(folder: str, **measured: Any) -> Arch:
     dtype, time limits and disk from `measured` where runs have told them, else sized from the
     denoiser (bf16 weights; a case's load, steps and sample, and the build, grow with it; the
     folder holds about three bytes per denoiser parameter with its text encoders)."""
-    meta = json.loads((SHIPPED_DIR / folder / "shipped.json").read_text(encoding="utf-8"))
+    meta = json.loads((SHIPPED_DIRS[folder] / "shipped.json").read_text(encoding="utf-8"))
     b = float(max(meta["denoiser_billions"]))
     sized = {
         "dtype": "bfloat16",
@@ -122,9 +126,9 @@ MEASURED = {
 ARCHS = {
     **MEASURED,
     **{
-        path.parent.name: shipped_arch(path.parent.name)
-        for path in sorted(SHIPPED_DIR.glob("*/shipped.json"))
-        if path.parent.name not in {a.shipped for a in MEASURED.values()}
+        name: shipped_arch(name)
+        for name in sorted(SHIPPED_DIRS)
+        if name not in {a.shipped for a in MEASURED.values()}
     },
 }
 """Every shipped architecture: the measured ones by short name, the others by folder name (a new
@@ -635,12 +639,12 @@ def git_commit() -> str:
 def sources(arches: set[str], work: Path, tiny: bool) -> dict[str, Path]:
     """Each architecture's configs: the shipped ones, or (`--tiny`) a tiny model's."""
     from kit.families import get_family
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
     out = {}
     for arch in sorted(arches):
         if not tiny:
-            out[arch] = MODEL_CONFIGS / ARCHS[arch].shipped
+            out[arch] = shipped_dir(ARCHS[arch].shipped)
             continue
         folder = work / "tiny-configs" / arch
         if not (folder / "model_index.json").is_file():

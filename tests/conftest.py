@@ -178,7 +178,7 @@ def make_config(tmp_path, tiny_sd15, dataset):
 @pytest.fixture()
 def nan_at_call(monkeypatch):
     """`nan_at_call(n)`: the SD1.5 denoiser's n-th prediction comes out NaN, the others real."""
-    from kit.families.sd15 import SD15
+    from kit.families.sd15.family import SD15
 
     def poison(n: int) -> None:
         real, calls = SD15.predict, {"n": 0}

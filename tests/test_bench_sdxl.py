@@ -63,9 +63,9 @@ def test_model_flops_grow_with_the_pixels_and_count_the_backward(tiny_base):
     assert 0 < small < big
     # Real SDXL at 1024 px, on the meta device from the shipped configs: about 6.8 TFLOP forward,
     # a little over twice that with the LoRA backward.
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
-    real = bs.unet_step_flops(MODEL_CONFIGS / "sdxl", bs.sdxl_spec())
+    real = bs.unet_step_flops(shipped_dir("sdxl"), bs.sdxl_spec())
     assert 12e12 < real < 17e12
 
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from kit.export.clients import comfyui
-from kit.families import adapter_keys, flux_layout, get_family, sd3_layout
+from kit.families import adapter_keys, get_family
+from kit.families.flux import layout as flux_layout
+from kit.families.sd3 import layout as sd3_layout
 
 PREFIX = "diffusion_model."
 RANK, ALPHA = 4, 6.0

@@ -11,7 +11,7 @@ import torch
 from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import get_family
-from kit.families.chroma import pack_latents, transformer_inputs, unpack_latents
+from kit.families.chroma.family import pack_latents, transformer_inputs, unpack_latents
 from kit.families.samplers import ImageSpec
 from tests.conftest import lora_loads_exactly
 

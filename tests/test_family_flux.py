@@ -9,7 +9,7 @@ import torch
 from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import get_family
-from kit.families.flux import pack_latents, unpack_latents
+from kit.families.flux.family import pack_latents, unpack_latents
 from tests.conftest import lora_loads_exactly
 
 

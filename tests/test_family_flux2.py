@@ -15,8 +15,9 @@ from safetensors.torch import save_file
 
 from kit.config import Config
 from kit.errors import ConfigError
-from kit.families import flux2, get_family
-from kit.families.flux2 import patchify, unpack
+from kit.families import get_family
+from kit.families.flux2 import family as flux2
+from kit.families.flux2.family import patchify, unpack
 from tests.conftest import lora_loads_exactly
 
 CAPTION = "a small red circle on a blue background"

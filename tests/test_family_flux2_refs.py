@@ -16,8 +16,9 @@ from PIL import Image
 from kit.config import from_dict
 from kit.data.cache import fill_cache, plan_cache
 from kit.errors import DataError
-from kit.families import flux2, get_family
-from kit.families.flux2 import patchify, reference_pixels, reference_size
+from kit.families import get_family
+from kit.families.flux2 import family as flux2
+from kit.families.flux2.family import patchify, reference_pixels, reference_size
 
 CAPTION = "put the cat from image 1 on the sofa"
 SIDE = 64  # the target: 8 × 8 latents, 4 × 4 tokens
@@ -158,7 +159,7 @@ def test_training_inputs_with_references_are_the_pipelines(
     assert times == expected
     n = 16
     out = theirs["out"][:, :n].transpose(1, 2).reshape(1, -1, SIDE // 16, SIDE // 16)
-    from kit.families.flux2 import unpatchify
+    from kit.families.flux2.family import unpatchify
 
     assert torch.equal(pred, unpatchify(out))
 

@@ -12,7 +12,7 @@ from PIL import Image
 from kit.config import from_dict
 from kit.data.cache import fill_cache, plan_cache
 from kit.families import get_family
-from kit.families.flux_kontext import control_size
+from kit.families.flux_kontext.family import control_size
 from tests.conftest import lora_loads_exactly
 
 
@@ -93,7 +93,7 @@ def test_training_inputs_equal_the_pipelines(tiny_kontext, tmp_path):
     batch = data.load_batch([0])
     assert batch["control_latents_0"].shape == (1, 16, 832 // 8, 1248 // 8)
     n = 16  # a 64 × 64 target: 8 × 8 latents, 4 × 4 tokens
-    from kit.families.flux import unpack_latents
+    from kit.families.flux.family import unpack_latents
 
     noisy = unpack_latents(ref["hidden_states"][:, :n], 8, 8)
     timesteps = ref["timestep"] * 1000

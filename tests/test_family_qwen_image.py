@@ -14,7 +14,7 @@ import torch
 from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import get_family
-from kit.families.qwen_image import (
+from kit.families.qwen_image.family import (
     encode_prompts,
     pack_latents,
     transformer_inputs,

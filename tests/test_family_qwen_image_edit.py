@@ -15,7 +15,7 @@ from PIL import Image
 from kit.config import from_dict
 from kit.data.cache import fill_cache, plan_cache
 from kit.families import get_family
-from kit.families.qwen_image_edit import (
+from kit.families.qwen_image_edit.family import (
     IMAGE_ONLY_MODULE,
     control_sizes,
     has_torchvision,
@@ -175,7 +175,7 @@ def test_training_inputs_equal_the_pipelines(variant, tiny_edit, tiny_plus, tmp_
     vae_sizes = [control_sizes(w, h, plus)[0] for w, h in sizes]
     for r, (w, h) in enumerate(vae_sizes):
         assert batch[f"control_latents_{r}"].shape == (1, 16, h // 8, w // 8)
-    from kit.families.qwen_image import unpack_latents
+    from kit.families.qwen_image.family import unpack_latents
 
     n = 16  # a 64 × 64 target: 8 × 8 latents, 4 × 4 tokens
     noisy = unpack_latents(ref["hidden_states"][:, :n], 8, 8)
@@ -300,7 +300,7 @@ def test_a_2511_single_file_carries_comfyuis_marker(tiny_plus, tmp_path):
     transformer file carries it, and diffusers' `from_single_file` reads the file back."""
     from safetensors.torch import save_file
 
-    from kit.families.qwen_image_edit import ZERO_MARKER
+    from kit.families.qwen_image_edit.family import ZERO_MARKER
 
     family = get_family(NAME, from_dict({"model_family": NAME, "pretrained_model": str(tiny_plus)}))
     comps = family.load(str(tiny_plus))

@@ -10,7 +10,7 @@ import torch
 from kit.config import Config
 from kit.errors import ConfigError
 from kit.families import get_family
-from kit.families.wan_experts import WanExperts
+from kit.families.wan.experts import WanExperts
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def test_quantized_experts_train_resume_and_export(experts_run):
     from safetensors.torch import load_file
 
     from kit.export.writer import export
-    from kit.families.wan_experts import _quantized_layers
+    from kit.families.wan.experts import _quantized_layers
     from kit.run import checkpoint as ckpt
     from kit.train.loop import fit, train
     from kit.train.prepare import prepare
@@ -285,7 +285,7 @@ def test_quantized_experts_train_resume_and_export(experts_run):
 def test_quantized_expert_moves_as_its_library_tensor(experts_base):
     """`place` moves a quantized layer through its module (codes and scales together)."""
     from kit.families import quantize as quant
-    from kit.families.wan_experts import _quantized_layers
+    from kit.families.wan.experts import _quantized_layers
 
     # Training one expert, the held one is stored quantized too (validation draws with it).
     held = wan22(experts_base, train_experts="high").load(str(experts_base)).denoiser

@@ -13,7 +13,7 @@ import torch
 from kit.config import Config
 from kit.families import get_family
 from kit.families.shipped import config_source
-from kit.families.zimage import model_velocity, pad_embeds, transformer_inputs, unpad_embeds
+from kit.families.zimage.family import model_velocity, pad_embeds, transformer_inputs, unpad_embeds
 from tests.conftest import lora_loads_exactly
 
 CAPTIONS = ["a red zorbstar", "a small blue circle on the left of a big green tree"]

@@ -67,7 +67,7 @@ def test_scaler_is_built_from_the_config(tmp_path, make_config, cpu_fp16):
 
 def test_fp16_trains_logs_the_scale_and_resumes_exactly(tmp_path, make_config, cpu_fp16):
     """The scale grows every good step here; a resume restores it and matches a straight run."""
-    from kit.families.sd15 import SD15
+    from kit.families.sd15.family import SD15
 
     common = {
         "mixed_precision": "fp16",

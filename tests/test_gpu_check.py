@@ -67,10 +67,10 @@ def test_plan_holds_every_case_of_the_issue_and_filters_by_glob():
 
 
 def test_every_case_builds_a_checked_config(tmp_path):
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
     for case in gc.all_cases():
-        base = MODEL_CONFIGS / gc.ARCHS[case.arch].shipped
+        base = shipped_dir(gc.ARCHS[case.arch].shipped)
         cfg = gc.case_config(case, base, tmp_path, steps=10, tiny=False)
         assert cfg.model.pretrained_model == str(base)
         assert cfg.data.resolution == case.px

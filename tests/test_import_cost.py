@@ -115,18 +115,20 @@ def test_registry_facts_match_the_family_class(name):
 def _registering_modules() -> set[str]:
     """The modules of kit/families whose source registers a family (`@register`)."""
     found = set()
-    for path in sorted((ROOT / "kit" / "families").glob("*.py")):
+    families = ROOT / "kit" / "families"
+    for path in sorted(families.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and any(
                 isinstance(d, ast.Name) and d.id == "register" for d in node.decorator_list
             ):
-                found.add(f"kit.families.{path.stem}")
+                parts = path.relative_to(families).with_suffix("").parts
+                found.add(".".join(("kit", "families", *parts)))
     return found
 
 
 def test_every_family_module_is_in_the_registry():
-    """A new family file is found by `get_family` only through its entry in FAMILIES."""
+    """Every registering module is its folder's `family.py`, found through that folder's FACTS."""
     listed = {info.module for info in registry.FAMILIES.values()}
     assert _registering_modules() == listed
 
@@ -136,7 +138,7 @@ def test_register_refuses_facts_that_disagree(monkeypatch):
     cls = registry.family_class("sd15")
     monkeypatch.delitem(registry._CLASSES, "sd15")
     monkeypatch.setitem(registry.FAMILIES, "sd15", registry.FamilyInfo("sd15", info.module, 32))
-    with pytest.raises(ValueError, match="bucket_step is 64 in kit.families.sd15 but 32"):
+    with pytest.raises(ValueError, match="bucket_step is 64 in kit.families.sd15.family but 32"):
         registry.register(cls)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from kit.errors import KitError
 from kit.families import get_family
 from kit.families.adapter_keys import lycoris_keys
-from kit.families.chroma_layout import (
+from kit.families.chroma.layout import (
     KOHYA_PREFIX,
     comfy_aliases,
     comfy_keys,
@@ -144,9 +144,9 @@ def test_comfy_names_of_the_released_model():
     """The released config's ComfyUI names: 19 double, 38 single blocks, a 5-layer approximator."""
     import json
 
-    from kit.families.shipped import MODEL_CONFIGS
+    from kit.families.shipped import shipped_dir
 
-    config = json.loads((MODEL_CONFIGS / "chroma1-hd/transformer/config.json").read_text())
+    config = json.loads((shipped_dir("chroma1-hd") / "transformer/config.json").read_text())
     keys = comfy_keys(config)
     assert "double_blocks.18.txt_attn.norm.key_norm.scale" in keys
     assert "single_blocks.37.linear1.weight" in keys

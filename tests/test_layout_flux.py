@@ -13,7 +13,7 @@ from torch import nn
 from kit.errors import KitError
 from kit.families import get_family
 from kit.families.adapter_keys import lycoris_keys as generic_lycoris_keys
-from kit.families.flux_layout import (
+from kit.families.flux.layout import (
     KOHYA_PREFIX,
     SWAPPED_HALVES,
     kohya_deltas,

@@ -13,7 +13,7 @@ from torch import nn
 from kit.errors import KitError
 from kit.export.clients import comfyui
 from kit.families import adapter_keys, get_family
-from kit.families.flux2_layout import (
+from kit.families.flux2.layout import (
     LYCORIS_PREFIX,
     comfy_aliases,
     kohya_lora,

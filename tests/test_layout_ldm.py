@@ -13,7 +13,7 @@ from torch import nn
 from kit.config import Config
 from kit.errors import KitError
 from kit.families import get_family, ldm, tiny
-from kit.families.shipped import MODEL_CONFIGS
+from kit.families.shipped import shipped_dir
 
 # The UNet of SD 2.x (stabilityai/stable-diffusion-2-1), as its diffusers config states it.
 SD2_UNET = {
@@ -241,7 +241,7 @@ def test_sd2_uses_the_open_clip_layout_and_round_trips(tmp_path):
 
 def _configs(tiny_base) -> dict[str, dict]:
     out = {
-        f"shipped-{n}": json.loads((MODEL_CONFIGS / n / "unet" / "config.json").read_text())
+        f"shipped-{n}": json.loads((shipped_dir(n) / "unet" / "config.json").read_text())
         for n in ("sd15", "sdxl")
     }
     out["sd2"] = SD2_UNET
@@ -278,7 +278,7 @@ def test_unet_module_names_cover_every_layer_and_agree_with_diffusers(tiny_base)
 
 def test_sdxl_names_follow_the_released_numbering():
     """What kohya's SDXL LoRA names spell (`lora_unet_input_blocks_4_1_...`), fixed here."""
-    cfg = json.loads((MODEL_CONFIGS / "sdxl" / "unet" / "config.json").read_text())
+    cfg = json.loads((shipped_dir("sdxl") / "unet" / "config.json").read_text())
     names = ldm.unet_module_names(cfg)
     expected = {
         "conv_in": "input_blocks.0.0",
@@ -309,7 +309,7 @@ def test_sdxl_names_follow_the_released_numbering():
     assert {k: names[k] for k in expected} == expected
     # SD1.5: attention at the top level, none at the bottom, so its upsamplers differ.
     sd15 = ldm.unet_module_names(
-        json.loads((MODEL_CONFIGS / "sd15" / "unet" / "config.json").read_text())
+        json.loads((shipped_dir("sd15") / "unet" / "config.json").read_text())
     )
     assert sd15["up_blocks.0.upsamplers.0.conv"] == "output_blocks.2.1.conv"
     assert sd15["up_blocks.1.upsamplers.0.conv"] == "output_blocks.5.2.conv"

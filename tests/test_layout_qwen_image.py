@@ -17,13 +17,13 @@ from torch import nn
 from kit.errors import KitError
 from kit.export.clients import comfyui
 from kit.families import adapter_keys, get_family
-from kit.families.qwen_image_layout import (
+from kit.families.qwen_image.layout import (
     comfy_weights,
     kohya_module,
     lora_unet_module,
     to_comfy,
 )
-from kit.families.shipped import MODEL_CONFIGS
+from kit.families.shipped import shipped_dir
 from kit.methods.adapters import adapter_state_dict
 
 RANK, ALPHA = 4, 8.0  # alpha ≠ rank, so a lost or doubled scale shows
@@ -48,7 +48,7 @@ def linears(model: nn.Module) -> list[str]:
 def real_model() -> nn.Module:
     from diffusers import QwenImageTransformer2DModel
 
-    config = json.loads((MODEL_CONFIGS / "qwen-image/transformer/config.json").read_text())
+    config = json.loads((shipped_dir("qwen-image") / "transformer/config.json").read_text())
     with torch.device("meta"):
         return QwenImageTransformer2DModel.from_config(config)
 

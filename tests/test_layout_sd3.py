@@ -23,7 +23,7 @@ from torch import nn
 
 from kit.errors import ConfigError, KitError
 from kit.families import get_family
-from kit.families.sd3_layout import (
+from kit.families.sd3.layout import (
     kohya_lora,
     module_map,
     swapped_modules,

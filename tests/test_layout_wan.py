@@ -19,7 +19,7 @@ from torch import nn
 
 from kit.errors import KitError
 from kit.families import get_family
-from kit.families.wan_layout import (
+from kit.families.wan.layout import (
     kohya_lora,
     lycoris_keys,
     module_map,

@@ -14,7 +14,7 @@ from torch import nn
 from kit.errors import KitError
 from kit.export.clients import comfyui
 from kit.families import adapter_keys, get_family
-from kit.families.zimage_layout import LORA_PREFIX, module_map, to_original, weight_modules
+from kit.families.zimage.layout import LORA_PREFIX, module_map, to_original, weight_modules
 
 RANK, ALPHA = 4, 8.0  # alpha ≠ rank, so a lost or doubled scale shows
 PEFT_PARTS = ("lora_", "hada_", "lokr_")

@@ -133,7 +133,7 @@ def test_optimizer_state_by_kind():
 
 def test_config_source_prefers_a_local_folder(tmp_path, monkeypatch):
     assert config_source("someone/some-model") == "someone/some-model"
-    assert config_source("sdxl").endswith("model_configs/sdxl")
+    assert config_source("sdxl").endswith("sdxl/configs/sdxl")
     (tmp_path / "sdxl").mkdir()
     monkeypatch.chdir(tmp_path)
     assert config_source("sdxl") == "sdxl"

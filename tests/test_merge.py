@@ -150,7 +150,7 @@ def test_a_base_of_another_architecture_is_refused(tmp_path, lora_run, tiny_sd15
 def test_a_checkpoint_that_does_not_read_back_is_refused_and_removed(
     tmp_path, lora_run, monkeypatch
 ):
-    from kit.families.sd15 import SD15
+    from kit.families.sd15.family import SD15
 
     real = SD15.single_file_state_dict
 

@@ -92,7 +92,7 @@ def test_an_edit_run_shows_control_base_result_in_notebook_05_and_the_card(
     from kit.config import load_config
     from kit.export.edits import edit_examples, edit_figure
     from kit.export.push import assemble
-    from kit.families.flux_kontext import FluxKontext
+    from kit.families.flux_kontext.family import FluxKontext
     from kit.run.folder import open_run
     from kit.sample.validate import draw_checkpoint
     from kit.train.loop import train

@@ -198,7 +198,7 @@ def test_each_family_samples_with_its_pipelines_default_guidance(name):
 def test_flux_trains_and_samples_with_its_distilled_guidance(tiny_base, tmp_path):
     """FluxPipeline samples with guidance 3.5, and diffusers' and kohya's Flux trainers feed 3.5
     to the guidance embedding; the generic CFG 7.5 is no value for it."""
-    from kit.families.flux import _transformer_inputs
+    from kit.families.flux.family import _transformer_inputs
 
     cfg = _config(
         "flux",

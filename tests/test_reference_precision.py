@@ -85,7 +85,7 @@ def test_fp16_run_caches_finite_latents_from_an_overflowing_vae(
 
 
 def test_non_finite_latents_are_refused_naming_the_image(make_config, monkeypatch):
-    from kit.families.sd15 import SD15
+    from kit.families.sd15.family import SD15
 
     real = SD15.encode_images
 

@@ -159,7 +159,7 @@ def test_a_kontext_run_trains_from_parquet_pairs(pairs, tiny_base, monkeypatch):
     from kit.config import load_config
     from kit.data.cache import plan_cache
     from kit.families import get_family
-    from kit.families.flux_kontext import FluxKontext
+    from kit.families.flux_kontext.family import FluxKontext
     from kit.run.folder import open_run
     from kit.train.loop import train
     from tests.conftest import write_run_config
@@ -344,7 +344,7 @@ def test_families_count_a_sources_controls_as_control_folders():
         get_family("qwen_image_edit", _cfg(one_two, "qwen_image_edit"))  # the Edit base
     with pytest.raises(ConfigError, match=r"give 1 or 2 reference image\(s\) per target"):
         get_family("flux2", _cfg(one_two, "flux2", train_batch_size=2, bucket_step=64))
-    from kit.families.wan_i2v import ImageToVideo, check_run
+    from kit.families.wan.i2v import ImageToVideo, check_run
 
     i2v = ImageToVideo(first_frame=False, image_encoder=False, frame=0)
     with pytest.raises(ConfigError, match="remove control_dir \\(or a dataset's control_column\\)"):

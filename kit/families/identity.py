@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kit.errors import KitError
-from kit.families.shipped import MODEL_CONFIGS, SHIPPED
+from kit.families.shipped import SHIPPED, shipped_dir
 from kit.io import write_text
 
 CHECKPOINT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".sft")
@@ -125,7 +125,7 @@ def model_source(pretrained: str, model_config: str, default: str) -> str:
             f"diffusers folder or hub id whose architecture {pretrained} holds"
         )
     if "/" not in chosen and chosen in SHIPPED:
-        return str(MODEL_CONFIGS / SHIPPED[chosen])
+        return str(shipped_dir(SHIPPED[chosen]))
     if _local(chosen) and not Path(chosen).expanduser().is_dir():
         raise KitError(
             f"model_config: folder not found: {chosen} (for pretrained_model {pretrained})"

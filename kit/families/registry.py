@@ -3,164 +3,47 @@
 Scanning, bucketing, caption reports and planning ask a family only a few plain facts (its
 bucket alignment, whether it reads clips and which frame counts it accepts, its native size and
 hub repository). Answering them must not cost the import of torch (about a second, more than a
-scan of thousands of images), so each family's facts are written down here, beside the module
-that holds its class; the class is imported only when `get_family` is asked for it.
+scan of thousands of images), so each family folder's `__init__` declares its `FACTS`, and the
+registry finds the families by those folders; a family's class (`<folder>/family.py`) is
+imported only when `get_family` is asked for it. A new family is a new folder: nothing here
+names one.
 
-The facts are written twice (here and as the class's attributes), so `register` checks that the
+The facts are written twice (`FACTS` and the class's attributes), so `register` checks that the
 two agree whenever a family's module is imported: a mismatch fails on the first import.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kit.errors import ConfigError, KitError, did_you_mean
+from kit.families.facts import FamilyFacts, FamilyInfo
 
 if TYPE_CHECKING:
     from kit.config import Config
     from kit.families.base import Family
 
 
-class FamilyFacts(Protocol):
-    """What the data path reads of a family: a `FamilyInfo`, or a loaded `Family` itself."""
-
-    name: str
-    bucket_step: int
-    native_resolution: int
-    hub_id: str
-    video: bool
-    control_images: int
-    needs_control: bool
-
-    def frame_count(self, available: int) -> int: ...
-
-
-@dataclass(frozen=True)
-class FamilyInfo:
-    """A family's plain facts, known without importing its module (or torch)."""
-
-    name: str
-    """The `model_family` value that selects this family."""
-    module: str
-    """The module whose import registers the family's class."""
-    bucket_step: int = 64
-    """Bucket sides are multiples of this (the class's `bucket_step`)."""
-    native_resolution: int = 512
-    """The side, in pixels, the released base model was trained at."""
-    hub_id: str = ""
-    """The hub repository of the maintained base model in diffusers layout."""
-    video: bool = False
-    """True when the family trains on clips (and so the scan reads them)."""
-    control_images: int = 0
-    """How many control (reference) images a training pair may have (the class's
-    `control_images`): 0 for a family that takes none."""
-    needs_control: bool = False
-    """Whether every dataset must have its controls (an edit model; the class's `needs_control`)."""
-    frame_stride: int = 1
-    """A clip's frame count is `frame_stride · k + 1`: a VAE that compresses time by 4 (Wan)
-    takes 4k+1 frames; 1 accepts any count."""
-
-    def frame_count(self, available: int) -> int:
-        """The most frames (≤ `available`) a clip may have; 0 when none fits."""
-        if self.frame_stride <= 1:
-            return available
-        if available <= 0:
-            return 0
-        return (available - 1) // self.frame_stride * self.frame_stride + 1
+def _discover() -> dict[str, FamilyInfo]:
+    """Every family folder of this package, by the `FACTS` its `__init__` declares."""
+    found: dict[str, FamilyInfo] = {}
+    for folder in sorted(Path(__file__).parent.iterdir()):
+        if not (folder / "__init__.py").is_file():
+            continue
+        facts = getattr(importlib.import_module(f"{__package__}.{folder.name}"), "FACTS", None)
+        if not isinstance(facts, FamilyInfo) or facts.name != folder.name:
+            raise ValueError(
+                f"{__package__}.{folder.name} is a family folder: its __init__ must set FACTS to "
+                f"a FamilyInfo named {folder.name!r}"
+            )
+        found[facts.name] = facts
+    return found
 
 
-# The families of this package. Each one's class repeats these facts as attributes.
-FAMILIES: dict[str, FamilyInfo] = {
-    info.name: info
-    for info in (
-        FamilyInfo(
-            "sd15",
-            "kit.families.sd15",
-            bucket_step=64,
-            native_resolution=512,
-            hub_id="stable-diffusion-v1-5/stable-diffusion-v1-5",
-        ),
-        FamilyInfo(
-            "sdxl",
-            "kit.families.sdxl",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="stabilityai/stable-diffusion-xl-base-1.0",
-        ),
-        FamilyInfo(
-            "sd3",
-            "kit.families.sd3",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="stabilityai/stable-diffusion-3.5-medium",
-        ),
-        FamilyInfo(
-            "flux",
-            "kit.families.flux",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="black-forest-labs/FLUX.1-dev",
-        ),
-        FamilyInfo(
-            "flux_kontext",
-            "kit.families.flux_kontext",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="black-forest-labs/FLUX.1-Kontext-dev",
-            control_images=1,
-            needs_control=True,
-        ),
-        FamilyInfo(
-            "chroma",
-            "kit.families.chroma",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="lodestones/Chroma1-HD",
-        ),
-        FamilyInfo(
-            "flux2",
-            "kit.families.flux2",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="black-forest-labs/FLUX.2-dev",
-            control_images=10,  # optional reference images (flux2.MAX_REFERENCES)
-        ),
-        FamilyInfo(
-            "wan",
-            "kit.families.wan",
-            bucket_step=16,
-            native_resolution=480,
-            hub_id="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
-            video=True,
-            frame_stride=4,
-        ),
-        FamilyInfo(
-            "qwen_image",
-            "kit.families.qwen_image",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="Qwen/Qwen-Image",
-        ),
-        FamilyInfo(
-            "qwen_image_edit",
-            "kit.families.qwen_image_edit",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="Qwen/Qwen-Image-Edit",
-            control_images=3,
-            needs_control=True,
-        ),
-        FamilyInfo(
-            "zimage",
-            "kit.families.zimage",
-            bucket_step=64,
-            native_resolution=1024,
-            hub_id="Tongyi-MAI/Z-Image-Turbo",
-        ),
-    )
-}
+FAMILIES: dict[str, FamilyInfo] = _discover()
+"""This package's families, found from their folders; each class repeats these facts."""
 
 CHECKED = ("bucket_step", "native_resolution", "hub_id", "video")
 """The facts `register` compares between a class and its entry in `FAMILIES`."""

@@ -3,10 +3,11 @@
 With these, the estimator, the network preview and the tests build real architectures (on the
 meta device or with random weights) without any download.
 
-Each folder of `MODEL_CONFIGS` is one architecture in diffusers layout (configs, no weights)
-with a `shipped.json` beside its `model_index.json`: its title, its family, the hub ids and
-short names that select it, and its denoiser's published size in billions of parameters. A new
-architecture is a new folder; nothing here names one.
+Each family folder keeps its architectures under `configs/`: one folder per architecture in
+diffusers layout (configs, no weights) with a `shipped.json` beside its `model_index.json`: its
+title, its family (the folder's), the hub ids and short names that select it, and its denoiser's
+published size in billions of parameters. A new architecture is a new folder; nothing here names
+one.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-MODEL_CONFIGS = Path(__file__).parent / "model_configs"
-"""One diffusers-layout folder of configs (no weights) per shipped architecture."""
+FAMILIES_DIR = Path(__file__).parent
+"""The families package: `<family>/configs/<architecture>/` holds each shipped architecture."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class Shipped:
     """One shipped architecture, as its `shipped.json` describes it."""
 
     folder: str
-    """Its folder under `MODEL_CONFIGS`."""
+    """Its folder's name (unique across families)."""
     title: str
     """The released model's name, for tables and notebooks."""
     family: str
@@ -35,15 +36,26 @@ class Shipped:
     """The published denoiser size, low and high, in billions of parameters."""
 
     @property
+    def path(self) -> Path:
+        """The folder of its configs."""
+        return FAMILIES_DIR / self.family / "configs" / self.folder
+
+    @property
     def hub_id(self) -> str:
         """The hub repository of the released model."""
         return self.names[0]
 
 
 def _read() -> dict[str, Shipped]:
-    found = {}
-    for path in sorted(MODEL_CONFIGS.glob("*/shipped.json")):
+    found: dict[str, Shipped] = {}
+    for path in sorted(FAMILIES_DIR.glob("*/configs/*/shipped.json"), key=lambda p: p.parent.name):
         meta = json.loads(path.read_text(encoding="utf-8"))
+        family = path.parent.parent.parent.name
+        if meta["family"] != family or path.parent.name in found:
+            raise ValueError(
+                f"{path}: an architecture's folder name is unique and its family is its "
+                f"folder's ({family!r})"
+            )
         found[path.parent.name] = Shipped(
             folder=path.parent.name,
             title=meta["title"],
@@ -60,7 +72,12 @@ ARCHITECTURES: dict[str, Shipped] = _read()
 SHIPPED: dict[str, str] = {
     name: folder for folder, arch in ARCHITECTURES.items() for name in (*arch.names, folder)
 }
-"""Hub id or short name → folder of `MODEL_CONFIGS`."""
+"""Hub id or short name → the architecture's folder name (`shipped_dir` gives its path)."""
+
+
+def shipped_dir(folder: str) -> Path:
+    """The configs of shipped architecture `folder` (a name of `ARCHITECTURES`)."""
+    return ARCHITECTURES[folder].path
 
 
 def config_source(pretrained: str) -> str:
@@ -68,5 +85,5 @@ def config_source(pretrained: str) -> str:
     if Path(pretrained).is_dir():
         return pretrained
     if pretrained in SHIPPED:
-        return str(MODEL_CONFIGS / SHIPPED[pretrained])
+        return str(shipped_dir(SHIPPED[pretrained]))
     return pretrained

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError, DataError
-from kit.families import adapter_keys, flux2_layout, flux2_tiny, register
+from kit.families import adapter_keys, register
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.flux2 import layout as flux2_layout
+from kit.families.flux2 import tiny as flux2_tiny
 from kit.families.identity import part_config
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.shipped import config_source

@@ -1,6 +1,6 @@
 """FLUX.1 Kontext dev: Flux.1 dev's transformer, trained on pairs (a control image → its edit).
 
-Everything but the reference is Flux's (`kit.families.flux`): text, noise, σ shift (from the
+Everything but the reference is Flux's (`kit.families.flux.family`): text, noise, σ shift (from the
 target's size alone, as FluxKontextPipeline computes it), exports and key layouts. The
 control's latents are cached like a target's; per step they are packed into 2×2 tokens placed
 after the target's, with image ids whose first coordinate is 1 (the target's are 0), and the
@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from kit.families import register
-from kit.families.flux import Flux, pack_latents, transformer_inputs, unpack_latents
+from kit.families.flux.family import Flux, pack_latents, transformer_inputs, unpack_latents
 
 VAE_FACTOR = 8
 """Flux's VAE downsamples by 8; FluxKontextPipeline resizes controls to multiples of 8 · 2."""

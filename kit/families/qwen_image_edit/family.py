@@ -1,6 +1,6 @@
 """Qwen-Image-Edit, -2509 and -2511: Qwen-Image's transformer trained on pairs (controls → edit).
 
-Everything but the references is Qwen-Image's (`kit.families.qwen_image`): the VAE, the σ shift
+Everything but the references is Qwen-Image's (`kit.families.qwen_image.family`): the VAE, the σ shift
 (from the target's size alone, as the edit pipelines compute `mu`), packing, exports and the
 ComfyUI layout. Two things differ, both read from the diffusers pipelines:
 
@@ -32,9 +32,9 @@ from PIL import Image
 from kit.errors import ConfigError, DataError
 from kit.families import register, tiny
 from kit.families.base import PARTS, Components
-from kit.families.flux2 import model_index
+from kit.families.flux2.family import model_index
 from kit.families.identity import part_config
-from kit.families.qwen_image import (
+from kit.families.qwen_image.family import (
     QwenImage,
     pack_latents,
     tiny_qwen2_tokenizer,

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import adapter_keys, chroma_layout, register, tiny
+from kit.families import adapter_keys, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.chroma import layout as chroma_layout
 
 # ChromaPipeline packs its latents with FluxPipeline's own code (the tests compare the inputs).
-from kit.families.flux import pack_latents, unpack_latents
+from kit.families.flux.family import pack_latents, unpack_latents
 from kit.families.samplers import DEFAULT
 
 if TYPE_CHECKING:

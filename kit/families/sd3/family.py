@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kit.families import adapter_keys, register, sd3_layout, tiny
+from kit.families import adapter_keys, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import part_config
 from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.sd3 import layout as sd3_layout
 
 if TYPE_CHECKING:
     from kit.config import Config

@@ -15,7 +15,7 @@ from PIL import Image
 
 from kit.config import Config
 from kit.errors import KitError
-from kit.families import adapter_keys, register, tiny, wan_i2v, wan_layout
+from kit.families import adapter_keys, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, flow_sampling, posterior_latent
 from kit.families.identity import (
     base_identity,
@@ -26,7 +26,9 @@ from kit.families.identity import (
 )
 from kit.families.noise import flow_noise_and_target, flow_sigmas
 from kit.families.samplers import FLOW_SAMPLERS
-from kit.families.wan_experts import (
+from kit.families.wan import i2v as wan_i2v
+from kit.families.wan import layout as wan_layout
+from kit.families.wan.experts import (
     EXPERT_OF_FILE,
     EXPERTS,
     FILE_SUFFIX,
@@ -79,7 +81,7 @@ class Wan(Family):
     )
 
     def __init__(self, cfg: Config | None = None) -> None:
-        # Image-to-video (kit.families.wan_i2v) is read from the base's configs first: it
+        # Image-to-video (kit.families.wan.i2v) is read from the base's configs first: it
         # draws through WanImageToVideoPipeline, each validation prompt from its one image.
         self.cfg = cfg if cfg is not None else Config()
         try:
@@ -147,7 +149,7 @@ class Wan(Family):
 
     def experts(self, source: str) -> tuple[str, ...]:
         """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
-        with one transformer; refuses `train_experts` there (see kit.families.wan_experts)."""
+        with one transformer; refuses `train_experts` there (see kit.families.wan.experts)."""
         return trained_experts(self.cfg.model.train_experts, read_experts(source), source)
 
     def kohya_module(self, module):
@@ -163,7 +165,7 @@ class Wan(Family):
         return denoiser.expert(EXPERT_OF_FILE[part]) if part else denoiser
 
     def host_resident(self, denoiser):
-        # One expert waits in CPU memory while the other trains (kit.families.wan_experts).
+        # One expert waits in CPU memory while the other trains (kit.families.wan.experts).
         if not isinstance(denoiser, WanExperts):
             return {}
         if len(denoiser.trained) == 2:

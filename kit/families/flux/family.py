@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import adapter_keys, flux_layout, register, tiny
+from kit.families import adapter_keys, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.flux import layout as flux_layout
 from kit.families.identity import part_config
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.shipped import config_source

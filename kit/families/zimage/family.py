@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import adapter_keys, register, tiny, zimage_layout
+from kit.families import adapter_keys, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
+from kit.families.zimage import layout as zimage_layout
 
 if TYPE_CHECKING:
     from kit.config import Config

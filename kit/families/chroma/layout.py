@@ -5,7 +5,7 @@ Chroma is FLUX.1-schnell with the per-block modulation projections removed: one 
 timestep. So its double and single blocks are Flux.1's minus `img_mod` / `txt_mod` /
 `modulation`, with the same fused `qkv` and `linear1` weights; its top level is `img_in`,
 `txt_in`, the approximator and `final_layer.linear`. The fusing, the LoRA arithmetic and the
-checks are `kit.families.flux_layout`'s, given this layout's own maps.
+checks are `kit.families.flux.layout`'s, given this layout's own maps.
 
 What each name is, and who reads it:
 
@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from kit.errors import KitError
-from kit.families import adapter_keys, flux_layout
+from kit.families import adapter_keys
+from kit.families.flux import layout as flux_layout
 
 KOHYA_PREFIX = flux_layout.KOHYA_PREFIX
 LYCORIS_PREFIX = flux_layout.LYCORIS_PREFIX

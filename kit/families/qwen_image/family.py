@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from kit.errors import ConfigError
-from kit.families import adapter_keys, qwen_image_layout, register, tiny
+from kit.families import adapter_keys, register, tiny
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.qwen_image import layout as qwen_image_layout
 from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
@@ -474,7 +475,7 @@ class QwenImage(Family):
         tokenizer = tiny_qwen2_tokenizer()
         text_encoder = tiny_qwen25_vl(tokenizer)
         vae, transformer = tiny_vae_and_transformer()
-        # The release's scheduler config (dynamic, exponential shift; see model_configs).
+        # The release's scheduler config (dynamic, exponential shift; see configs/).
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             FlowMatchEulerDiscreteScheduler.load_config(
                 config_source(self.hub_id), subfolder="scheduler"

@@ -40,7 +40,7 @@ import torch
 from kit.errors import ConfigError, KitError
 from kit.families import tiny
 from kit.families.shipped import config_source
-from kit.families.wan_experts import read_index
+from kit.families.wan.experts import read_index
 
 PIPELINE = "WanImageToVideoPipeline"
 IMAGE_TOKENS = 257

@@ -1,0 +1,14 @@
+"""Chroma: the `chroma` family's folder (its class in `family.py`).
+
+Importing this package is cheap: `FACTS` are what scans and bucket plans read without torch.
+"""
+
+from kit.families.facts import FamilyInfo
+
+FACTS = FamilyInfo(
+    "chroma",
+    "kit.families.chroma.family",
+    bucket_step=64,
+    native_resolution=1024,
+    hub_id="lodestones/Chroma1-HD",
+)
