@@ -79,6 +79,9 @@ class Components:
             self.denoiser = other.denoiser
 
 
+BATCHED_KWARGS = ("prompt", "negative_prompt")
+"""The pipeline call's arguments that `Family.sample_batch` gives as one list per batch."""
+
 PARTS = ("denoiser", "vae", "text_encoders")
 """The loadable parts of a base model; the scheduler and tokenizers always load."""
 
@@ -530,6 +533,31 @@ class Family(FamilyExports, ABC):
         with torch.no_grad():
             out = pipe(**self.pipeline_call(spec), generator=generator)
         return [out.images[0]]
+
+    def sample_batch(self, pipe: Any, specs: list[ImageSpec]) -> list[list[Image.Image]]:
+        """Draw `specs` as `sample` draws each: in one pipeline call when they differ only in
+        prompt and seed, with a generator per image (each image's starting noise is the one its
+        own call would draw); one call each otherwise, or where a family draws its own way."""
+        shared = [
+            {k: v for k, v in self.call_kwargs(s).items() if k not in BATCHED_KWARGS} for s in specs
+        ]
+        own_way = type(self).sample is not Family.sample
+        if (
+            len(specs) < 2
+            or own_way
+            or any(s.control for s in specs)
+            or shared.count(shared[0]) < len(shared)
+        ):
+            return [self.sample(pipe, s) for s in specs]
+        kwargs = {
+            **self.pipeline_call(specs[0]),
+            "prompt": [s.prompt for s in specs],
+            "negative_prompt": [s.negative_prompt for s in specs],
+        }
+        generators = [torch.Generator(s.generator_device).manual_seed(s.seed) for s in specs]
+        with torch.no_grad():
+            out = pipe(**kwargs, generator=generators)
+        return [[image] for image in out.images]
 
     # ------------------------------------------------------------ memory estimate
 

@@ -190,10 +190,20 @@ def draw(family: Any, pipe: Any, spec: ImageSpec) -> tuple[list[Image.Image], di
     The pipeline's own scheduler is put back afterwards, so specs drawn one after another never
     see each other's sampler.
     """
+    return draw_batch(family, pipe, [spec])[0]
+
+
+def draw_batch(
+    family: Any, pipe: Any, specs: list[ImageSpec]
+) -> list[tuple[list[Image.Image], dict[str, Any]]]:
+    """`draw` for specs of one sampler, in as few pipeline calls as `Family.sample_batch` can."""
+    samplers = {spec.sampler for spec in specs}
+    if len(samplers) != 1:
+        raise ValueError(f"draw_batch takes specs of one sampler, not {sorted(samplers)}")
     own = pipe.scheduler
-    scheduler = build_scheduler(family, own, spec.sampler)
+    scheduler = build_scheduler(family, own, specs[0].sampler)
     record: dict[str, Any] = {
-        "sampler": spec.sampler,
+        "sampler": specs[0].sampler,
         "scheduler": {"class": type(scheduler).__name__, "config": dict(scheduler.config)},
     }
     # The pipeline computes a dynamic shift (`mu`) from the image size when it sets the
@@ -209,14 +219,14 @@ def draw(family: Any, pipe: Any, spec: ImageSpec) -> tuple[list[Image.Image], di
     scheduler.set_timesteps = recording
     pipe.scheduler = scheduler
     try:
-        frames = family.sample(pipe, spec)
+        drawn = family.sample_batch(pipe, specs)
     finally:
         pipe.scheduler = own
         del scheduler.set_timesteps
     record["shift"] = _shift_used(
         record["scheduler"]["class"], record["scheduler"]["config"], seen.get("mu")
     )
-    return frames, record
+    return [(frames, dict(record)) for frames in drawn]
 
 
 __all__ = [
@@ -229,6 +239,7 @@ __all__ = [
     "build_scheduler",
     "check_validation",
     "draw",
+    "draw_batch",
     "open_named_images",
     "samplers_for",
 ]

@@ -22,12 +22,15 @@ from typing import Any
 
 from kit.families.base import ImageSpec
 from kit.io import write_json
-from kit.sample.validate import load_trained, run_validation
+from kit.sample.validate import draw_in_batches, load_trained, run_validation
 from kit.toy import world as toyworld
 from kit.toy.drift import DRIFT_SEEDS, accuracy, drift_measures, drift_scenes, prompt_of
 from kit.toy.judge import judge, score
 
 GROUPS = ("memorization", "generalization", "unrelated")
+REPORT_BATCH = 32
+"""Images per pipeline call: the toy world's images are small, so a call's own cost (the text
+encoder, the scheduler's steps in Python) outweighs the images' and batching pays."""
 """The prompt groups, in the order they are drawn and shown."""
 _CAPTION = re.compile(
     r"^a (?P<size>\w+) (?P<color>\S+) (?P<shape>\S+) on a (?P<background>\w+) background, "
@@ -149,7 +152,13 @@ def learning_report(
             ]
             out = run.validation / "learning" / f"{name}-{label}"
             grid = run_validation(
-                family, pipe, specs, out, cols, {"base_model": cfg.model.pretrained_model}
+                family,
+                pipe,
+                specs,
+                out,
+                cols,
+                {"base_model": cfg.model.pretrained_model},
+                batch=REPORT_BATCH,
             )
             images = [
                 _load(out / f"{i // cols:02d}_seed{spec.seed}.png") for i, spec in enumerate(specs)
@@ -201,7 +210,8 @@ def drift(
                 )
                 for i, sc in enumerate(group)
             ]
-            verdicts[f"{name}_{label}"] = [judge(family.sample(pipe, sp)[0]) for sp in specs]
+            drawn = draw_in_batches(family, pipe, specs, REPORT_BATCH)
+            verdicts[f"{name}_{label}"] = [judge(frames[0]) for frames, _ in drawn]
     slot = "color" if concept in toyworld.CONCEPT_COLORS else "shape"
     out = drift_measures(
         verdicts["unrelated_before"],
