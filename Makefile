@@ -1,5 +1,6 @@
 # `make demo`: set up .venv and run the seven notebooks on the example dataset into runs/demo/.
-# `make test`: set up .venv and run the whole test suite (offline, CPU).
+# `make test`: set up .venv and run the whole test suite (offline, CPU): what CI runs.
+# `make check`: the quick tier while you work: lint, format, and every test not marked slow.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean chromium
+.PHONY: install demo test check lint bench clean chromium
 
 install: $(STAMP)
 
@@ -42,9 +43,18 @@ chromium:
 		  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null 2>&1; } || \
 		echo "chromium could not be installed; the browser test will be skipped"
 
+# Both tiers spread the tests over every core (pytest-xdist; tests/conftest.py gives each worker
+# its share of threads) and print the slowest tests, so every log shows where the time goes.
+PYTEST := $(BIN)/python -m pytest -q -n auto
+
 test: $(STAMP) chromium
 	$(BIN)/ruff check kit tests benchmarks scripts
-	$(BIN)/python -m pytest -q
+	$(PYTEST) --durations=20
+
+check: $(STAMP)
+	$(BIN)/ruff check kit tests benchmarks scripts
+	$(BIN)/ruff format --check kit tests benchmarks scripts
+	$(PYTEST) -m "not slow" --durations=10
 
 lint: $(STAMP)
 	$(BIN)/ruff check kit tests benchmarks scripts

@@ -3,10 +3,13 @@ that training tests start from."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -17,27 +20,73 @@ EXAMPLE = ROOT / "datasets_example"
 
 quiet_libraries()
 
-# Every run in the suite, in this process and in the ones it starts, uses torch's own thread
+
+def lazy_module(name: str, reason: str | None = None) -> ModuleType:
+    """Module `name`, imported when a test first uses it rather than at collection (where
+    every module's imports add up before the first test runs); skips the calling test module
+    when it is not installed, as `pytest.importorskip` does."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None:
+        pytest.skip(reason or f"could not import {name!r}", allow_module_level=True)
+    spec.loader = importlib.util.LazyLoader(spec.loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# Every run in the suite, in this process and in the ones it starts, uses one fixed thread
 # count: a count chosen from the machine's load (kit.run.threads) could differ between two runs
 # that a test compares bit for bit. tests/test_threads.py takes the variable away to test that.
+# Under pytest-xdist each worker takes its share of the cores, so that workers never
+# oversubscribe them (threads that wait for a core spin and slow everyone).
 if "OMP_NUM_THREADS" not in os.environ:
-    import torch
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
 
-    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+
+TINY_CACHE = Path(os.environ.get("KIT_TEST_CACHE", ROOT / ".cache" / "tests"))
+"""Where tiny bases are kept between sessions and shared by pytest-xdist workers."""
+
+
+def builder_hash(name: str) -> str:
+    """A key for family `name`'s tiny base: the sources that build it (its folder and the
+    shared family modules) and the versions of the libraries that write it."""
+    import hashlib
+    from importlib.metadata import version
+
+    families = ROOT / "kit" / "families"
+    digest = hashlib.sha256()
+    for lib in ("torch", "diffusers", "transformers", "tokenizers", "safetensors"):
+        digest.update(f"{lib}={version(lib)};".encode())
+    for path in sorted([*families.glob("*.py"), *(families / name).rglob("*.py")]):
+        digest.update(str(path.relative_to(families)).encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
-def tiny_base(tmp_path_factory):
+def tiny_base():
     """`tiny_base(name)`: the family's tiny random-init model (as `kit tiny <name>` writes it),
-    written once per session and shared, so a test reads it and never writes into it."""
+    built once and kept on disk keyed by `builder_hash`, so every worker and later session
+    shares it; a test reads it and never writes into it."""
+    import fcntl
+
     from kit.families import get_family
 
     made: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in made:
-            out = tmp_path_factory.mktemp("models") / f"tiny-{name}"
-            made[name] = get_family(name).make_tiny(out, seed=0)
+            out = TINY_CACHE / f"tiny-{name}-{builder_hash(name)}"
+            TINY_CACHE.mkdir(parents=True, exist_ok=True)
+            # One worker builds while the others wait; make_tiny writes its folder atomically.
+            with open(TINY_CACHE / f".{out.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not out.is_dir():
+                    get_family(name).make_tiny(out, seed=0)
+            made[name] = out
         return made[name]
 
     return get

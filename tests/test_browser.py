@@ -23,8 +23,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import nbformat
 import pytest
+
+from tests.conftest import lazy_module
+
+nbformat = lazy_module("nbformat")
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

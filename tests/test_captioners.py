@@ -25,9 +25,10 @@ from kit.data.captioners import (
     with_prefix,
 )
 from kit.data.captions import list_backups
+from tests.conftest import lazy_module
 
-onnx = pytest.importorskip("onnx")
-pytest.importorskip("onnxruntime")
+onnx = lazy_module("onnx")
+lazy_module("onnxruntime")
 
 # (name, category, probability); "blue_background" instead follows the image's blue channel.
 TAGS = [

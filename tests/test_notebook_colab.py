@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import nbformat
 import pytest
 
 from kit.ui.notebooks import (
@@ -17,6 +16,9 @@ from kit.ui.notebooks import (
     run_notebooks,
     sync_colab_cells,
 )
+from tests.conftest import lazy_module
+
+nbformat = lazy_module("nbformat")
 
 BADGE = re.compile(
     r"\[!\[Open In Colab\]\(https://colab\.research\.google\.com/assets/colab-badge\.svg\)\]"

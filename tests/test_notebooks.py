@@ -7,10 +7,12 @@ import json
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from kit.ui.notebooks import NOTEBOOKS, notebook_dir, run_notebooks
+from tests.conftest import lazy_module
+
+nbformat = lazy_module("nbformat")
 
 # What a newcomer should never read in a cell's output: a dataclass or object repr instead of a
 # sentence, table or figure, and library warnings.

@@ -16,9 +16,10 @@ from PIL import Image
 from kit.config import from_dict
 from kit.data.sources.write import folder_records, write_parquet, write_shards
 from kit.errors import ConfigError, DataError, KitError
+from tests.conftest import lazy_module
 from tests.test_sources import s3  # noqa: F401 (the S3 server fixture)
 
-datasets = pytest.importorskip("datasets")
+datasets = lazy_module("datasets")
 
 
 @pytest.fixture(autouse=True)

@@ -20,9 +20,9 @@ from kit.data.scan import check_dataset, scan
 from kit.data.sources.write import folder_records, write_parquet, write_shards
 from kit.errors import ConfigError, DataError
 from kit.run import checkpoint as ckpt
-from tests.conftest import resumed_equals_straight, write_config
+from tests.conftest import lazy_module, resumed_equals_straight, write_config
 
-datasets = pytest.importorskip("datasets")
+datasets = lazy_module("datasets")
 
 
 @pytest.fixture(autouse=True)

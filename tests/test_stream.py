@@ -18,9 +18,9 @@ from kit.data.sources import stream
 from kit.data.sources.write import folder_records, write_parquet
 from kit.errors import ConfigError, DataError
 from kit.run import checkpoint as ckpt
-from tests.conftest import resumed_equals_straight
+from tests.conftest import lazy_module, resumed_equals_straight
 
-datasets = pytest.importorskip("datasets")
+datasets = lazy_module("datasets")
 
 
 @pytest.fixture(autouse=True)
