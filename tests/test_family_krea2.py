@@ -340,3 +340,43 @@ def test_estimate_answers_for_the_hub_id_offline(tmp_path, monkeypatch, capsys):
     assert abs(out["components"]["denoiser_weights"] / (12.82e9 * 2) - 1) < 0.01
     assert out["components"]["activations"] > 0
     estimating.forget_traces()
+
+
+@pytest.mark.slow
+def test_turbo_trains_two_steps_under_its_adapter_and_exports(tiny_turbo, family_dataset, tmp_path):
+    """A 2-step LoRA run on the tiny Turbo with a de-distilling adapter: the validation image
+    is drawn at Turbo's own settings, and both exports hold the trained LoRA alone, the
+    Krea-layout file exact under ComfyUI's rules."""
+    from safetensors.torch import load_file, save_file
+
+    from kit.config import load_config
+    from kit.export.writer import export
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    g = torch.Generator().manual_seed(0)
+    adapter = tmp_path / "dedistill.safetensors"
+    # On the time modulation, which the trained LoRA leaves alone: its keys must not be exported.
+    save_file({"diffusion_model.tproj.1.lora_A.weight": torch.randn(2, 32, generator=g),
+               "diffusion_model.tproj.1.lora_B.weight": torch.randn(192, 2, generator=g) * 0.1},
+              str(adapter))  # fmt: skip
+    path = write_run_config(
+        tmp_path / "c.json", base=tiny_turbo, data=family_dataset("krea2"), family="krea2",
+        max_train_steps=2, checkpointing_steps=2, validation_steps=2, max_sequence_length=LENGTH,
+        training_adapter=str(adapter), validation_guidance_scale=None,
+        validation_num_inference_steps=0,
+    )  # fmt: skip
+    assert train(load_config(path)).step == 2
+    step = tmp_path / "run/validation/step-000002"
+    for grid in (step, step / "with-training-adapter"):  # what the export draws, and in training
+        sidecar = json.loads(next(grid.glob("*_seed*.json")).read_text())
+        call = sidecar["call_kwargs"]
+        assert (call["guidance_scale"], call["num_inference_steps"]) == (0.0, 8)
+        assert "negative_prompt" not in call and (grid / "grid.png").is_file()
+    assert sidecar["training_adapter"] == adapter.stem  # a name, never the local path
+    for fmt in ("diffusers", "kohya"):
+        result = export(tmp_path / "run", fmt)
+        assert result.verification.passed, (fmt, result.verification)
+        assert not any("tproj" in k or "time_mod_proj" in k for k in load_file(str(result.path)))
+    comfy = [c for c in result.verification.clients if c["client"] == "ComfyUI"]
+    assert comfy and comfy[0]["exact"] and comfy[0]["weights"] > 0, comfy
