@@ -83,13 +83,18 @@ def test_packing_is_the_pipelines(loaded):
     assert torch.equal(pipe._unpack_latents(packed, 64, 48).squeeze(2), x)
 
 
-def test_transformer_inputs_equal_the_pipelines(loaded):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_transformer_inputs_equal_the_pipelines(loaded, dtype):
     """THE test: every tensor the kit feeds the transformer for a training sample (packed
     latents, text states and mask, timestep, position ids) is, dtype included, what
     Krea2Pipeline builds at inference for the same latents, prompts, size and timestep; with
-    CFG the negative pass gets the kit's encoding of the negative prompt."""
+    CFG the negative pass gets the kit's encoding of the negative prompt. In bf16 too, where
+    the transformer keeps its norms in fp32 and the pipeline casts to the text's dtype."""
     family, comps = loaded
+    if dtype != torch.float32:
+        comps = family.load(comps.source, dtype=dtype)
     pipe = family.pipeline(comps)
+    own = comps.denoiser.dtype  # what `predict` casts to: the weights', not the norms' fp32
     latents = torch.randn(2, 16, 8, 6, generator=torch.Generator().manual_seed(1))
     calls = _recorded_call(
         pipe,
@@ -109,19 +114,19 @@ def test_transformer_inputs_equal_the_pipelines(loaded):
     assert text["prompt_embeds_mask"].sum(1).tolist()[0] < LENGTH  # padded captions
     timesteps = pipe.scheduler.timesteps  # the pipeline's own schedule
     kit = transformer_inputs(
-        latents, timesteps[:1].expand(2), text["prompt_embeds"], text["prompt_embeds_mask"], None
+        latents, timesteps[:1].expand(2), text["prompt_embeds"], text["prompt_embeds_mask"], own
     )
     _assert_same(kit, calls[0])
     negative = family.encode_text(comps, ["blurry"] * 2)
     kit_negative = transformer_inputs(
         latents, timesteps[:1].expand(2), negative["prompt_embeds"], negative["prompt_embeds_mask"],
-        None,
+        own,
     )  # fmt: skip
     _assert_same(kit_negative, calls[1])
     # A later step: the noisy latents the pipeline reached, at its own timestep.
     noisy = unpack(calls[2]["hidden_states"], 8, 6)
     again = transformer_inputs(
-        noisy, timesteps[1:2].expand(2), text["prompt_embeds"], text["prompt_embeds_mask"], None
+        noisy, timesteps[1:2].expand(2), text["prompt_embeds"], text["prompt_embeds_mask"], own
     )
     _assert_same(again, calls[2])
     # `predict` feeds the transformer exactly these (through the cache's float mask too).
