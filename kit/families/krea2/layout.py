@@ -14,12 +14,15 @@ The rename is written once, as data (`TOP`, `INNER`), in the direction diffusers
 
 The LoRA file the kit writes for ComfyUI (its "kohya" export) holds `diffusion_model.<original
 path>.lora_A.weight / .lora_B.weight` with the scale folded into `lora_B` and no alpha: the
-layout of Krea's reference trainer. ComfyUI reads it by its generic rule (every
-`diffusion_model.<model key>` of any model, `model_lora_keys_unet`, Comfy-Org/ComfyUI at
-17358c8f); diffusers' `_convert_non_diffusers_krea2_lora_to_diffusers` strips the prefix, renames
-the modules and reads only `lora_A / lora_B` weights (an `alpha` key would make it refuse the
-file). LoHa / LoKr files take the same module names with LyCORIS' parts, which ComfyUI reads
-the same way (diffusers reads no LyCORIS file).
+layout of Krea's reference trainer. Checked against ComfyUI's own code (Comfy-Org/ComfyUI at
+commit 17358c8f, a 0.38-series snapshot; `comfy/ldm/krea2/model.py` as of comfyanonymous/ComfyUI
+08381b1a): `model_lora_keys_unet` accepts `diffusion_model.<model key>` for every weight of any
+model, and its Krea2 branch adds the diffusers names (`diffusion_model.`, `transformer.`,
+`lycoris_` or bare) through `krea2_to_diffusers`; the file uses the first, generic form, which
+the kit's ComfyUI reader models as it is. diffusers' `_convert_non_diffusers_krea2_lora_to_diffusers`
+strips the prefix, renames the modules and reads only `lora_A / lora_B` weights (an `alpha` key
+would make it refuse the file). LoHa / LoKr files take the same module names with LyCORIS'
+parts, which ComfyUI reads the same way (diffusers reads no LyCORIS file).
 """
 
 from __future__ import annotations
