@@ -385,3 +385,19 @@ def test_turbo_trains_two_steps_under_its_adapter_and_exports(tiny_turbo, family
         assert not any("tproj" in k or "time_mod_proj" in k for k in load_file(str(result.path)))
     comfy = [c for c in result.verification.clients if c["client"] == "ComfyUI"]
     assert comfy and comfy[0]["exact"] and comfy[0]["weights"] > 0, comfy
+
+
+def test_the_token_limit_is_what_the_pipeline_keeps_of_a_caption(loaded):
+    """A caption of n tokens keeps min(n, limit) of them, then the pipeline's 5-token suffix,
+    in the fixed-length block."""
+    from kit.families import tiny
+
+    family, comps = loaded
+    tok = comps.tokenizers[0]
+    limit = family.token_limit("text_encoder", tok)
+    assert limit == LENGTH - 5
+    captions = [" ".join(tiny.WORDS[:n]) for n in (3, limit, limit + 4)]
+    counts = [len(tok(c).input_ids) for c in captions]
+    assert counts == [3, limit, limit + 4]  # one token per word
+    kept = family.encode_text(comps, captions)["prompt_embeds_mask"].sum(1).tolist()
+    assert kept == [min(n, limit) + 5 for n in counts]
