@@ -406,13 +406,12 @@ class Krea2(Family):
     # ------------------------------------------------------------ export
 
     def kohya_module(self, module):
+        # The original module path (LoHa / LoKr files name it under `kohya_prefix` too).
         return krea2_layout.original_module(module)
 
     def kohya_state_dict(self, state, alpha):
+        # Krea's own LoRA keys: lora_A / lora_B, the scale folded in, no alpha.
         return krea2_layout.lora_file(state, alpha)
-
-    def lycoris_naming(self):
-        return krea2_layout.LORA_PREFIX, krea2_layout.original_module
 
     def client_models(self, comps):
         # ComfyUI holds Krea 2 in the original layout and reads `diffusion_model.<its key>`
