@@ -1,0 +1,123 @@
+"""The tiny random-init Krea 2 (Raw) the tests load back through `from_pretrained`.
+
+Every part keeps the release's structure at a few dozen channels: the transformer's grouped-query
+attention (2 heads over 1 key/value head), its two layer-wise and two refiner text-fusion blocks
+(ComfyUI's model assumes two of each), a two-layer Qwen3-VL whose embedding output and both
+layers are tapped, the Qwen-Image VAE's 8x layout, and the release's scheduler config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kit.families import tiny
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer
+from kit.families.shipped import config_source
+
+HUB_ID = "krea/Krea-2-Raw"
+TAPS = (0, 1, 2)
+"""The tiny text encoder's tapped hidden states (embedding output and its two layers)."""
+
+
+def qwen3_vl(tokenizer: Any) -> Any:
+    """A two-layer `Qwen3VLModel` (text 32 wide with interleaved mRoPE, a one-block vision
+    tower) sized to `tokenizer`."""
+    from transformers import Qwen3VLConfig, Qwen3VLModel
+
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 8,
+            "max_position_embeddings": 1024,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
+                "mrope_interleaved": True,
+            },
+            "pad_token_id": ids("<|endoftext|>"),
+            "eos_token_id": ids("<|im_end|>"),
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_heads": 2,
+            "out_hidden_size": 32,
+            "deepstack_visual_indexes": [0],
+            # A small patch and position table: the tower is never run, only saved and loaded.
+            "patch_size": 2,
+            "num_position_embeddings": 16,
+        },
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    return Qwen3VLModel(config)
+
+
+def make(out_dir: str | Path, seed: int = 0) -> Path:
+    """Write the tiny Krea 2 Raw into `out_dir` (diffusers layout, safetensors)."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        Krea2Pipeline,
+        Krea2Transformer2DModel,
+    )
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_qwen2_tokenizer()
+    text_encoder = qwen3_vl(tokenizer)
+    vae = AutoencoderKLQwenImage(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    transformer = Krea2Transformer2DModel(
+        in_channels=64,  # 16 latent channels × a 2×2 patch
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=32,
+        timestep_embed_dim=16,
+        text_hidden_dim=32,  # the Qwen3-VL width
+        num_text_layers=len(TAPS),
+        text_num_attention_heads=2,
+        text_num_key_value_heads=2,
+        text_intermediate_size=32,
+        axes_dims_rope=(4, 6, 6),  # sums to the head width; ComfyUI's split of 16
+    )
+    # Random weights for the zero-initialised tables and norms too, so that a wrong layout
+    # of any of them shows.
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "scale_shift_table" in name or "norm" in name:
+                p.normal_(0, 0.1)
+    # The release's scheduler config (dynamic exponential shift up to 6400 tokens).
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        FlowMatchEulerDiscreteScheduler.load_config(config_source(HUB_ID), subfolder="scheduler")
+    )
+    pipe = Krea2Pipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        text_encoder_select_layers=TAPS,
+        is_distilled=False,
+    )
+    return tiny.save_pipeline(pipe, out_dir)
