@@ -1,5 +1,6 @@
 # `make demo`: set up .venv and run the seven notebooks on the example dataset into runs/demo/.
 # `make test`: set up .venv and run the whole test suite (offline, CPU).
+# `make check`: the quick tier while you work: lint, the architecture rules, tests not marked slow.
 # `make docs`: the documentation site in site/, from the notebooks `make demo` executed.
 
 PYTHON ?= python3
@@ -10,7 +11,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean chromium docs
+.PHONY: install demo test check lint bench clean chromium docs
 
 install: $(STAMP)
 
@@ -46,6 +47,10 @@ chromium:
 test: $(STAMP) chromium
 	$(BIN)/ruff check kit tests benchmarks scripts
 	$(BIN)/python -m pytest -q
+
+check: $(STAMP)
+	$(BIN)/ruff check kit tests benchmarks scripts
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kit tests benchmarks scripts
