@@ -408,11 +408,8 @@ def family_page(name: str, estimates: dict[str, Any]) -> str:
                 )
             else:
                 bits.append("no text-encoder keys")
-            bits.append(
-                "diffusers reads it too"
-                if fam.diffusers_reads_kohya
-                else "diffusers users take the diffusers file"
-            )
+            reads = "yes" if fam.diffusers_reads_kohya else "no"
+            bits.append(f"diffusers' `load_lora_weights` reads it: {reads}")
             bits.append("DoRA can be written" if fam.kohya_dora else "no DoRA in this layout")
             text = "; ".join(bits)
         else:
@@ -452,9 +449,12 @@ def family_page(name: str, estimates: dict[str, Any]) -> str:
         if not any(r for _, r in rows):
             out += ["No estimate recorded yet: `python scripts/gen_docs.py --estimates`.", ""]
         else:
-            settings = ", ".join(f"{k} {v}" for k, v in ESTIMATE_SETTINGS.items())
+            settings = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in ESTIMATE_SETTINGS.items())
+            frames = next(iter(r for _, r in rows if r)).get("num_frames")
             out += [
-                f"`kit estimate` on each shipped config at its family's native resolution ({settings}):",
+                f"`kit estimate` on each shipped config at its family's native resolution ({settings}"
+                + (f"; clips of {frames} frames" if fam.video else "")
+                + "):",
                 "the training step's peak on the GPU, the cache filling's (text encoders and VAE),",
                 "host RAM, and the cheapest settings the advice finds for two cards.",
                 "",
@@ -554,6 +554,7 @@ def compute_estimates() -> dict[str, Any]:
         est = estimate(cfg)
         row: dict[str, Any] = {
             "resolution": resolution,
+            "num_frames": cfg.data.num_frames,
             "step_gib": round(est.total_bytes / GIB, 1),
             "setup_gib": round(est.setup_bytes / GIB, 1),
             "host_gib": round(est.host_bytes / GIB, 1),
