@@ -409,7 +409,7 @@ def family_page(name: str, estimates: dict[str, Any]) -> str:
             else:
                 bits.append("no text-encoder keys")
             reads = "yes" if fam.diffusers_reads_kohya else "no"
-            bits.append(f"diffusers' `load_lora_weights` reads it: {reads}")
+            bits.append(f"export check redraws it through diffusers' `load_lora_weights`: {reads}")
             bits.append("DoRA can be written" if fam.kohya_dora else "no DoRA in this layout")
             text = "; ".join(bits)
         else:
