@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ def _gen_docs():
 
 
 gen_docs = _gen_docs()
+docs_config = sys.modules["docs_config"]  # the config reference's half, imported by gen_docs
 
 
 def test_generated_pages_are_current():
@@ -44,7 +46,7 @@ def test_every_config_key_has_its_line():
     page = (DOCS / "reference" / "config.md").read_text(encoding="utf-8")
     seen = list(SECTIONS.values())
     for cls in SECTIONS.values():
-        gen_docs.records(cls, seen)
+        docs_config.records(cls, seen)
     headings = {cls: f"## {sec}" for sec, cls in SECTIONS.items()}
     headings.update({cls: f"### {cls.__name__}" for cls in seen[len(SECTIONS) :]})
     assert len(headings) > len(SECTIONS), "the nested entries (datasets, prompts) are listed too"
@@ -64,18 +66,18 @@ def test_a_key_without_a_docstring_stops_the_reference():
         """Has one."""
         bare: int = 2
 
-    with pytest.raises(gen_docs.DocsError, match=r"bare .*no docstring"):
-        gen_docs.field_rows(Section, {}, "section")
+    with pytest.raises(docs_config.DocsError, match=r"bare .*no docstring"):
+        docs_config.field_rows(Section, {}, "section")
 
 
 def test_ranges_are_the_ones_the_checks_enforce():
     from kit.config import DataConfig, ObjectiveConfig, TrainConfig
 
-    assert gen_docs.probed_range(DataConfig, {}, "resolution", int) == "≥ 32"
-    assert gen_docs.probed_range(DataConfig, {}, "tag_dropout", float) == "≥ 0, < 1"
-    assert gen_docs.probed_range(TrainConfig, {}, "learning_rate", float) == "> 0"
-    assert gen_docs.probed_range(ObjectiveConfig, {}, "max_timestep", int) == "≥ 1, ≤ 1000"
-    assert gen_docs.probed_range(TrainConfig, {}, "seed", int) == ""
+    assert docs_config.probed_range(DataConfig, {}, "resolution", int) == "≥ 32"
+    assert docs_config.probed_range(DataConfig, {}, "tag_dropout", float) == "≥ 0, < 1"
+    assert docs_config.probed_range(TrainConfig, {}, "learning_rate", float) == "> 0"
+    assert docs_config.probed_range(ObjectiveConfig, {}, "max_timestep", int) == "≥ 1, ≤ 1000"
+    assert docs_config.probed_range(TrainConfig, {}, "seed", int) == ""
 
 
 def test_every_family_has_a_page_in_the_menu_and_the_readme():
