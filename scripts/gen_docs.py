@@ -8,9 +8,9 @@ reference, and the families table of the README.
 Families are read through the registry and their class attributes, shipped architectures
 through `kit.families.shipped`, the config through its dataclasses and the docstring under
 each field: nothing here names a family or a key. A config key without a docstring stops the
-script, naming it. The memory estimates take a traced step per shipped architecture (minutes
-each on a small CPU), so they are computed only on request and kept in `estimates.json`, which
-the pages are drawn from.
+script, naming it. The memory estimates take a traced step and the advice's
+searches per shipped architecture (about five minutes for all of them on two busy cores), so
+they are computed only on request and kept in `estimates.json`, which the pages are drawn from.
 """
 
 from __future__ import annotations
