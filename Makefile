@@ -1,6 +1,7 @@
 # `make demo`: set up .venv and run the seven notebooks on the example dataset into runs/demo/.
 # `make test`: set up .venv and run the whole test suite (offline, CPU): what CI runs.
-# `make check`: the quick tier while you work: lint, format, and every test not marked slow.
+# `make check`: the quick tier while you work: lint, the architecture rules, tests not marked slow.
+# `make docs`: the documentation site in site/, from the notebooks `make demo` executed.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test check lint bench clean chromium
+.PHONY: install demo test check lint bench clean chromium docs
 
 install: $(STAMP)
 
@@ -65,5 +66,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_data.py
 	$(BIN)/python benchmarks/bench_e2e.py
 
+# The site renders the notebooks as `make demo` executed them (runs/demo/notebooks); the family
+# pages and the config reference are regenerated from the code first. No network is needed.
+docs: $(STAMP)
+	@test -d runs/demo/notebooks || \
+		{ echo "runs/demo/notebooks is missing: run make demo first (the site shows its executed notebooks)"; exit 1; }
+	@$(BIN)/python -c "import mkdocs, material, mkdocs_jupyter" 2>/dev/null || $(PIP) -e ".[docs]"
+	@$(BIN)/python scripts/gen_docs.py
+	@rm -rf docs/notebooks && mkdir -p docs/notebooks && cp runs/demo/notebooks/*.ipynb docs/notebooks/
+	@NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	@echo "Documentation site in site/ (open site/index.html)"
+
 clean:
-	rm -rf runs/demo .pytest_cache
+	rm -rf runs/demo .pytest_cache site docs/notebooks

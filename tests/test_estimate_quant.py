@@ -40,7 +40,7 @@ README_VARIANTS = [
     {"base_quantization": "nf4"},
     {"base_quantization": "nf4", "gradient_checkpointing": False},
 ]
-"""The rows of the README's Flux.1 dev table, applied to `FLUX_DEV`."""
+"""The rows of the Flux.1 dev table in docs/guides/memory.md, applied to `FLUX_DEV`."""
 
 
 # Offline, and each Flux shape traced once for the module.
@@ -228,11 +228,13 @@ def test_advice_on_a_tiny_model_names_real_keys(tmp_path, tiny_sd15):
         assert estimate(again).total_bytes == r["estimate"].total_bytes
 
 
-def test_readme_shows_the_estimators_flux_table():
-    """The README's table is what `fit_table` prints for the same settings."""
+def test_memory_guide_shows_the_estimators_flux_table():
+    """The memory guide's table is what `fit_table` prints for the same settings."""
     table = markdown_table(fit_table(_flux(), README_VARIANTS, [SIXTEEN, TWENTY_FOUR]))
-    readme = (ROOT / "README.md").read_text()
-    assert table in readme, "README's Flux.1 dev table is stale; it should read:\n" + table
+    guide = (ROOT / "docs" / "guides" / "memory.md").read_text()
+    assert table in guide, (
+        "docs/guides/memory.md's Flux.1 dev table is stale; it should read:\n" + table
+    )
     assert "| `(as configured)` |" in table and "| no | no |" in table
 
 

@@ -478,7 +478,7 @@ class TrainConfig:
     ] = "adamw"
     """AdamW; AdamW 8-bit (bitsandbytes, CUDA); Adafactor; Prodigy; Lion (a learning rate 3-10x
     below AdamW's); CAME; schedule-free AdamW (constant `lr_scheduler`; images, EMA and checkpoints
-    take its averaged weights). The last four: pip install -e ".[optimizers]" (README)."""
+    take its averaged weights). The last four: pip install -e ".[optimizers]" (docs/guides/training.md)."""
     train_batch_size: int = 1
     """Images per batch (per process)."""
     gradient_accumulation_steps: int = 1
