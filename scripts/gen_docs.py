@@ -296,8 +296,9 @@ def mkdocs_with_nav(text: str) -> str:
 # ---------------------------------------------------------------------------- estimates
 
 
-def compute_estimates() -> dict[str, Any]:
-    """`kit estimate` and its advice for every shipped architecture (slow: a trace each)."""
+def compute_estimates(folders: list[str] | None = None) -> dict[str, Any]:
+    """`kit estimate` and its advice for the shipped architectures `folders` (all by default;
+    slow: a trace each)."""
     from kit.config import from_dict
     from kit.families import family_info
     from kit.families.shipped import ARCHITECTURES
@@ -306,6 +307,8 @@ def compute_estimates() -> dict[str, Any]:
 
     out = {}
     for folder, arch in ARCHITECTURES.items():
+        if folders is not None and folder not in folders:
+            continue
         resolution = family_info(arch.family).native_resolution
         cfg = from_dict(
             {
@@ -375,10 +378,15 @@ def main(argv: list[str] | None = None) -> int:
             if old:
                 print("run: python scripts/gen_docs.py")
             return 1 if old else 0
-        if args.estimates:
+        from kit.families.shipped import ARCHITECTURES
+
+        # A new shipped architecture gets its row here; --estimates recomputes every row.
+        known = {} if args.estimates else read_estimates()
+        missing = [f for f in ARCHITECTURES if f not in known]
+        if missing:
             ESTIMATES.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(compute_estimates(), indent=1, sort_keys=True) + "\n"
-            ESTIMATES.write_text(text, encoding="utf-8")
+            rows = {**known, **compute_estimates(missing)}
+            ESTIMATES.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         for p, text in pages().items():
             p.parent.mkdir(parents=True, exist_ok=True)
             if not p.is_file() or p.read_text(encoding="utf-8") != text:
