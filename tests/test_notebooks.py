@@ -166,3 +166,31 @@ def test_each_notebook_gets_only_its_parameters_and_typos_are_refused(tmp_path, 
     assert "headless" not in by_name["00_environment"]
     with pytest.raises(KitError, match="max_train_step\\b"):
         run_notebooks(tmp_path, {"max_train_step": 3}, only=["04"])
+
+
+def test_papermill_shuts_kernels_down_without_interrupting_them(monkeypatch):
+    """jupyter_client interrupts (SIGINT) every kernel it shuts down, which ipykernel may log as
+    "KeyboardInterrupt caught in kernel"; the kit's manager only asks it to shut down."""
+    import asyncio
+    import signal
+
+    from kit.ui.notebooks import quiet_shutdown_manager
+
+    manager = quiet_shutdown_manager()(kernel_name="python3")
+    sent = []
+    real = manager._async_signal_kernel
+
+    async def record(signum):
+        sent.append(signum)
+        await real(signum)
+
+    monkeypatch.setattr(manager, "_async_signal_kernel", record)
+
+    async def start_interrupt_and_stop():
+        await manager.start_kernel()
+        await manager.interrupt_kernel()  # an interrupt asked for still interrupts
+        await manager.shutdown_kernel()
+
+    asyncio.run(start_interrupt_and_stop())
+    assert sent == [signal.SIGINT]
+    assert not manager.has_kernel

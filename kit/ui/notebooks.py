@@ -120,6 +120,7 @@ def run_notebooks(
                 progress_bar=False,
                 report_mode=False,
                 config=_kernel_config(),
+                kernel_manager_class=quiet_shutdown_manager(),
             )
         except pm.PapermillExecutionError as e:
             raise KitError(
@@ -130,6 +131,27 @@ def run_notebooks(
         if report is not None:
             report(f"{name:<16} {time.monotonic() - started:6.1f} s   {target}")
     return done
+
+
+def quiet_shutdown_manager() -> type:
+    """The kernel manager papermill runs each notebook with: jupyter_client's own, except that it
+    does not interrupt a kernel it is shutting down.
+
+    jupyter_client sends SIGINT before every shutdown request. A kernel that papermill shuts down
+    has finished its last cell, so there is nothing to interrupt; but when the signal lands while
+    ipykernel is between messages, it logs "KeyboardInterrupt caught in kernel" at ERROR level,
+    a line on the console between two notebooks that says nothing about them.
+    """
+    from jupyter_client import AsyncKernelManager
+
+    class QuietShutdown(AsyncKernelManager):
+        async def _async_interrupt_kernel(self) -> None:
+            if not self.shutting_down:
+                await super()._async_interrupt_kernel()
+
+        interrupt_kernel = _async_interrupt_kernel
+
+    return QuietShutdown
 
 
 def _kernel_config() -> Any:
