@@ -188,7 +188,11 @@ def test_papermill_shuts_kernels_down_without_interrupting_them(monkeypatch):
 
     async def start_interrupt_and_stop():
         await manager.start_kernel()
+        client = manager.client()
+        client.start_channels()
+        await client.wait_for_ready(timeout=60)
         await manager.interrupt_kernel()  # an interrupt asked for still interrupts
+        client.stop_channels()
         await manager.shutdown_kernel()
 
     asyncio.run(start_interrupt_and_stop())
