@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kit.data.blob import Blob, filesystem, sha256
+from kit.data.blob import Blob, filesystem, remote, sha256
 from kit.data.datasets import DatasetView
 from kit.data.images import BadImage
 from kit.data.samples import ScanReport
@@ -47,7 +47,9 @@ def scan_url_folder(view: DatasetView, family: Any = None) -> ScanReport:
         raise DataError(f"caption_dir: captions of {url} lie beside its images; leave it empty")
     fs, root = filesystem(url)
     try:
-        listing = fs.find(root, detail=True)
+        listing = remote(f"the listing of {url}", fs.find, root, detail=True)
+    except DataError:
+        raise
     except (OSError, ValueError) as e:  # missing bucket, refused credentials
         raise DataError(f"image_dir {url} cannot be listed: {e}") from None
     except Exception as e:  # the library's own error for a service it could not reach
