@@ -61,10 +61,11 @@ def _timeouts(scheme: str) -> dict[str, Any]:
     return {}
 
 
-def timed_out(e: BaseException | None) -> bool:
-    """Whether an error (or one it was raised from) is a request that got no answer in time."""
+def timed_out(e: Any) -> bool:
+    """Whether an error (or one it was raised from) is a request that got no answer in time;
+    False for anything that is no error (a batch's bytes)."""
     for _ in range(16):  # a chain's depth, bounded
-        if e is None:
+        if not isinstance(e, BaseException):
             return False
         if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:
             return True

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kit.data.blob import Blob, filesystem, remote, sha256
+from kit.data.blob import Blob, filesystem, remote, sha256, timed_out
 from kit.data.datasets import DatasetView
 from kit.data.images import BadImage
 from kit.data.samples import ScanReport
@@ -124,6 +124,17 @@ def _scan_batch(
     texts = fs.cat(wanted, on_error="return") if wanted else {}
     if len(wanted) == 1 and not isinstance(texts, dict):
         texts = {wanted[0]: texts}
+    # A request of the batch that got no answer is asked again alone (`remote_retries`), not
+    # taken for an unreadable file.
+    heads = [
+        remote(f"{scheme}://{p}", fs.cat_file, p, start=0, end=min(s, HEADER_BYTES))
+        if timed_out(h)
+        else h
+        for p, s, h in zip(batch, sizes, heads, strict=True)
+    ]
+    for c, raw in texts.items():
+        if timed_out(raw):
+            texts[c] = remote(f"{scheme}://{c}", fs.cat_file, c)
     for p, size, head, cap in zip(batch, sizes, heads, caps, strict=True):
         name = f"{scheme}://{p}"
         if isinstance(head, BaseException):
