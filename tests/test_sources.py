@@ -461,3 +461,28 @@ def test_the_planner_proposes_shards_for_a_large_files_cache(tmp_path, monkeypat
     shards = [r for r in rows["files"] if r["setting"] == "cache_format"]
     assert shards and shards[0]["planned"] == "shards" and "files" in shards[0]["reason"]
     assert not [r for r in rows["auto"] if r["setting"] == "cache_format"]
+
+
+def test_an_s3_header_read_that_gets_no_answer_is_asked_again_not_dropped(
+    tmp_path, records, s3, monkeypatch
+):
+    """A batch's request that timed out is tried again alone: the image is kept, not taken
+    for an unreadable file."""
+    import s3fs
+
+    from kit.config import from_dict
+
+    for key, ext, data, caption in records[:3]:
+        s3.pipe(f"kit-data/slow/{key}.{ext}", data)
+        s3.pipe(f"kit-data/slow/{key}.txt", caption.encode())
+    real = s3fs.S3FileSystem._cat_ranges
+    calls = []
+
+    async def first_times_out(self, paths, *args, **kwargs):
+        got = await real(self, paths, *args, **kwargs)
+        calls.append(len(paths))
+        return [TimeoutError("no answer") if i == 0 else g for i, g in enumerate(got)]
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_ranges", first_times_out)
+    rep = scan(from_dict({"datasets": [{"image_dir": "s3://kit-data/slow"}]}).data)
+    assert calls and len(rep.samples) == 3 and not rep.unreadable, (calls, rep.unreadable)

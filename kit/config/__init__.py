@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import textwrap
 import types
 import typing
@@ -104,7 +105,9 @@ def field_section(name: str) -> str:
 def field_docs() -> dict[str, str]:
     """Field name → its docstring, read from this module's source."""
     docs: dict[str, str] = {}
-    for cls in SECTIONS.values():
+    # A section's fields may come from a base it shares (the data section's RemoteFields).
+    classes = {k for cls in SECTIONS.values() for k in cls.__mro__ if dataclasses.is_dataclass(k)}
+    for cls in classes:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
         body = tree.body[0].body  # type: ignore[attr-defined]
         for node, nxt in zip(body, body[1:], strict=False):
@@ -194,6 +197,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            # NaN passes every `<` check a section makes, and then trains on nothing.
+            raise ConfigError(f"{key}: {value!r} is not a finite number; give a number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -3,6 +3,7 @@ that moves one attribute with its scale."""
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -74,6 +75,8 @@ class SliderConfig:
             raise ConfigError("positive and negative: a slider needs two different prompts")
         if not self.strength > 0 or not self.scales:
             raise ConfigError("strength must be positive and scales not empty")
+        if not all(math.isfinite(s) for s in [self.strength, *self.scales]):
+            raise ConfigError(f"scales: {self.scales} (strength {self.strength}) must be numbers")
 
     def prompts(self) -> list[str]:
         """The three prompts, cached like captions: target, positive, negative."""

@@ -11,7 +11,7 @@ from typing import Literal
 from PIL import ImageColor
 
 from kit.config.preservation import PreservationConfig, SliderConfig
-from kit.config.sources import SOURCE_FIELDS, SourceFields
+from kit.config.sources import SOURCE_FIELDS, RemoteFields, SourceFields
 from kit.errors import ConfigError, at_least
 
 PATH = {"path": True}  # metadata: resolved relative to the config file's folder
@@ -153,7 +153,7 @@ class ValidationPrompt:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(RemoteFields):
     data_backend: Literal["local"] = "local"
     """`local`; where images live is each dataset's own (a folder or URL, `hf_dataset`, `shards`)."""
     image_dir: str = field(default="", metadata=PATH)
@@ -260,6 +260,7 @@ class DataConfig:
     `drop`."""
 
     def __post_init__(self) -> None:
+        self.check_remote()
         if self.resolution < 32:
             raise ConfigError(f"resolution: {self.resolution} is too small (at least 32)")
         try:
@@ -312,8 +313,7 @@ class DataConfig:
         if self.datasets and (self.image_dir or self.caption_dir or self.control_dir):
             raise ConfigError(
                 "datasets: with a list of datasets, image_dir, caption_dir and control_dir go in "
-                "each entry "
-                f"(image_dir is {self.image_dir!r})"
+                f"each entry (image_dir is {self.image_dir!r})"
             )
         if self.frame_windows < 0 or self.window_stride < 0:
             raise ConfigError("frame_windows and window_stride must be 0 or more")
@@ -374,7 +374,7 @@ class NetworkConfig:
             raise ConfigError(f"lora_dropout: {self.lora_dropout} must be in [0, 1)")
         if not 0.0 <= self.module_dropout < 1.0:
             raise ConfigError(f"module_dropout: {self.module_dropout} must be in [0, 1)")
-        if self.text_encoder_lr is not None and self.text_encoder_lr <= 0:
+        if self.text_encoder_lr is not None and not 0 < self.text_encoder_lr < float("inf"):
             raise ConfigError(f"text_encoder_lr: {self.text_encoder_lr} must be positive")
         if any(i < 0 for i in self.text_encoders):
             raise ConfigError(f"text_encoders: {self.text_encoders} must be encoder indices ≥ 0")

@@ -10,6 +10,34 @@ from kit.errors import ConfigError
 
 URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 """A location that is a URL (`s3://bucket/prefix`, `file://...`): kept as written, not a path."""
+MAX_SHARDS = 1_000_000
+"""The most shards one pattern may name: several times the largest public WebDataset sets; a
+range past it is a typo (`{000000..99999999}`), and its names alone would fill the memory."""
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def pattern_count(pattern: str) -> int:
+    """How many names a shard pattern spells (brace ranges and lists), without spelling them."""
+    count = 1
+    for body in _BRACES.findall(pattern):
+        rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+        if rng:
+            count *= max(int(rng.group(2)) - int(rng.group(1)) + 1, 0)
+        elif "," in body:
+            count *= len(body.split(","))
+    return count
+
+
+def check_pattern(pattern: str) -> None:
+    """Refuse a shard pattern that names more than `MAX_SHARDS` shards, before any is named."""
+    n = pattern_count(pattern)
+    if n > MAX_SHARDS:
+        raise ConfigError(
+            f"shards: {pattern} names {n:,} shards, more than the {MAX_SHARDS:,} one entry may "
+            "read; check the range's ends (a digit too many?)"
+        )
+
+
 HUB_OR_PATH = {"path": "hub_or_path"}  # metadata: a local path (made absolute) or a hub id
 SHARDS = {"path": True}  # a path pattern, made absolute from the config's folder (URLs stay)
 
@@ -78,6 +106,8 @@ class SourceFields:
             raise ConfigError(
                 f"control_column: {self.control_column} repeats or holds an empty name"
             )
+        if self.shards:
+            check_pattern(self.shards)
         if self.mask_column and not self.hf_dataset:
             raise ConfigError("mask_column: masks are read from an hf_dataset's column")
         if self.streaming and not self.hf_dataset:
@@ -103,6 +133,25 @@ class SourceFields:
         """The source's own name (its folder's, dataset's or shards' last part), for reports."""
         where = getattr(self, "image_dir", "") or self.hf_dataset or self.shards
         return where.rstrip("/").rsplit("/", 1)[-1].split("{", 1)[0].rstrip("-_.") or where
+
+
+@dataclass
+class RemoteFields:
+    """The data section's settings for reads from a URL (`s3://`, `https://`)."""
+
+    remote_timeout: float = 60.0
+    """Seconds a request to a store (S3, HTTP) may wait for an answer before it is tried again;
+    a store that accepts a connection and never answers is then named within minutes."""
+    remote_retries: int = 3
+    """How many times a request that got no answer in `remote_timeout` is tried again (each
+    wait is said on stderr) before the run stops, naming what it waited for."""
+
+    def check_remote(self) -> None:
+        """A positive, finite timeout and a retry count of 0 or more."""
+        if not 0 < self.remote_timeout < float("inf"):
+            raise ConfigError(f"remote_timeout: {self.remote_timeout} must be a positive number")
+        if self.remote_retries < 0:
+            raise ConfigError(f"remote_retries: {self.remote_retries} must be 0 or more")
 
 
 SOURCE_FIELDS = (

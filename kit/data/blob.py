@@ -12,12 +12,16 @@ import hashlib
 import io
 import os
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from kit.config.sources import URL
+from kit.config.sources import URL, check_pattern
 from kit.data.streamed import read_row
-from kit.errors import DataError
+from kit.errors import ConfigError, DataError
+
+T = TypeVar("T")
 
 
 def is_url(value: str) -> bool:
@@ -30,9 +34,78 @@ def local_path(value: str) -> str:
     return value[len("file://") :] if value.startswith("file://") else value
 
 
+_REMOTE = {"timeout": 60.0, "retries": 3}
+"""`remote_timeout` and `remote_retries` of the run: set once per process by the scan and the
+cache (`use_remote`), as every Blob shares its process's filesystems and carries no config."""
+
+
+def use_remote(timeout: float, retries: int) -> None:
+    """Take the config's `remote_timeout` and `remote_retries` for every read from a URL."""
+    if (_REMOTE["timeout"], _REMOTE["retries"]) != (timeout, retries):
+        _REMOTE.update(timeout=float(timeout), retries=int(retries))
+        filesystem.cache_clear()  # the filesystems opened with the old settings
+
+
+def _timeouts(scheme: str) -> dict[str, Any]:
+    """The filesystem options that bound each request by `remote_timeout`: one attempt each,
+    so that `remote` does the retrying and says what it waits for."""
+    t = _REMOTE["timeout"]
+    if scheme in ("s3", "s3a"):
+        retry = {"total_max_attempts": 1, "mode": "standard"}
+        return {"config_kwargs": {"connect_timeout": t, "read_timeout": t, "retries": retry}}
+    if scheme in ("http", "https"):
+        import aiohttp
+
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)
+        return {"client_kwargs": {"timeout": timeout}}
+    return {}
+
+
+def timed_out(e: Any) -> bool:
+    """Whether an error (or one it was raised from) is a request that got no answer in time;
+    False for anything that is no error (a batch's bytes)."""
+    for _ in range(16):  # a chain's depth, bounded
+        if not isinstance(e, BaseException):
+            return False
+        if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def no_answer(what: str, tries: int) -> DataError:
+    """The error for a read that got no answer, naming what it waited for and the settings."""
+    t, r = _REMOTE["timeout"], _REMOTE["retries"]
+    return DataError(
+        f"{what}: no answer in {t:g} s, {tries} {'try' if tries == 1 else 'tries'} "
+        f"(remote_timeout {t:g}, remote_retries "
+        f"{r}); check the endpoint and the network, or raise remote_timeout for a slow store"
+    )
+
+
+def remote(what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`call(*args, **kwargs)`, a request to a store: tried again `remote_retries` times when
+    it gets no answer in `remote_timeout` seconds, each wait said on stderr."""
+    tries = _REMOTE["retries"] + 1
+    for n in range(1, tries + 1):
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 — only a timeout is retried; the rest is raised
+            if not timed_out(e):
+                raise
+            if n < tries:
+                print(
+                    f"waiting for {what}: no answer in {_REMOTE['timeout']:g} s; trying again "
+                    f"({n} of {tries - 1})",
+                    file=sys.stderr,
+                )
+    raise no_answer(what, tries)
+
+
 @functools.lru_cache(maxsize=32)
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of a URL and the path within it; opened once per process.
+    """The fsspec filesystem of a URL and the path within it; opened once per process, its
+    requests bounded by `remote_timeout` (S3, HTTP).
 
     Credentials are whatever the filesystem's own library reads from the environment (for S3:
     `AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, `AWS_ENDPOINT_URL`...), never the kit's config.
@@ -41,7 +114,9 @@ def filesystem(url: str) -> tuple[Any, str]:
 
     scheme = url.split("://", 1)[0]
     try:
-        fs, path = fsspec.core.url_to_fs(url)
+        fs, path = fsspec.core.url_to_fs(url, **_timeouts(scheme))
+        if scheme in ("s3", "s3a"):
+            fs.retries = 1  # s3fs's own loop, which would wait its timeouts over five times
     except ImportError as e:  # the scheme's own package (gcsfs, s3fs, adlfs...) is missing
         raise DataError(f"{url}: {e} (pip install it beside the kit to read {scheme}://)") from None
     except ValueError as e:  # a scheme fsspec does not know
@@ -59,7 +134,8 @@ def read_range(location: str, start: int = 0, size: int = -1) -> bytes:
     if is_url(location):
         fs, path = filesystem(_base(location))
         inner = path + location[len(_base(location)) :]
-        return fs.cat_file(inner, start=start, end=None if size < 0 else start + size)
+        end = None if size < 0 else start + size
+        return remote(location, fs.cat_file, inner, start=start, end=end)
     with open(local_path(location), "rb") as f:
         f.seek(start)
         return f.read(size)
@@ -180,7 +256,12 @@ _BRACES = re.compile(r"\{([^{}]*)\}")
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """Every name a shard pattern spells: `a-{000..012}.tar` (zero-padded as written), `{a,b}`."""
+    """Every name a shard pattern spells: `a-{000..012}.tar` (zero-padded as written), `{a,b}`;
+    a DataError when it spells more than a run could hold (`MAX_SHARDS`)."""
+    try:
+        check_pattern(pattern)
+    except ConfigError as e:
+        raise DataError(str(e)) from None
     m = _BRACES.search(pattern)
     if m is None:
         return [pattern]

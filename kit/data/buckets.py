@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kit.config import Config, DataConfig
-from kit.data import video
+from kit.data import bounds, video
 from kit.data.datasets import views
 from kit.data.scan import Sample, ScanReport, load_samples
 from kit.errors import ConfigError, DataError
@@ -357,6 +357,7 @@ def plan_dataset(
         why = f" (e.g. {first[0]}: {first[1]})" if first else ""
         where = cfg.data.image_dir or ", ".join(v.data.image_dir for v in views(cfg.data))
         raise DataError(f"every image in {where} was dropped{why}")
+    bounds.check_plan(plan, views(cfg.data))  # before an epoch's order or a clip is held
     return plan.samples, plan
 
 

@@ -21,7 +21,7 @@ import torch
 from kit.config import Config
 from kit.data import video
 from kit.data.augment import augmentation_enabled, caption_variants
-from kit.data.blob import Blob
+from kit.data.blob import Blob, use_remote
 from kit.data.buckets import BucketPlan, plan_dataset, with_mirrored
 from kit.data.datasets import views, weighted
 from kit.data.images import BadImage
@@ -387,6 +387,7 @@ def fill_cache(
     follows (after every process finished its share) finds and drops them on every process
     alike, and encodes anything a share left missing.
     """
+    use_remote(cfg.data.remote_timeout, cfg.data.remote_retries)
     try:
         return _encode_missing(data, cfg, family, comps, device, progress, share)
     finally:
@@ -402,11 +403,9 @@ def _encode_missing(
     progress: bool | None = None,
     share: tuple[int, int] = (0, 1),
 ) -> CachedDataset:
-    """Encode the entries not yet cached, one at a time, each written atomically.
-
-    Interrupted, it resumes where it stopped: entries already written are reused. Memory stays
-    bounded (one image, or 16 captions, at a time). `progress` None shows a bar on a terminal.
-    """
+    """Encode the entries not yet cached, one at a time, each written atomically: interrupted,
+    it resumes where it stopped, reusing what is written. Memory holds one image, or 16 captions,
+    at a time. `progress` None shows a bar on a terminal."""
     import sys
 
     from tqdm.auto import tqdm

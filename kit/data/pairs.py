@@ -113,6 +113,11 @@ def _pair_view(report: Any, view: DatasetView) -> None:
                     else f"ambiguous control: {', '.join(p.name for p in mine)} in {folder}"
                 )
                 break
+            try:  # its header, as the target's was read: a control that cannot be used skips
+                probe(mine[0], view.data.max_image_pixels)  # its pair alone, named
+            except BadImage as e:
+                why = f"unreadable control image {mine[0]}: {e}"
+                break
             found.append(mine[0])
         if why:
             report.skipped.append((Path(sample.image), why))

@@ -34,8 +34,9 @@ def sample_pixels(
         with video.as_file(sample.blob.read(), sample.blob.name) as path:
             try:
                 frames = video.read_frames(path, placement.frames)
-            except DataError as e:  # named by the member, not by its temporary copy
-                raise DataError(str(e).replace(str(path), sample.blob.name)) from None
+            except DataError as e:  # named by the member, not by its temporary copy (a bad
+                # clip stays a BadImage, which the cache skips alone)
+                raise type(e)(str(e).replace(str(path), sample.blob.name)) from None
         return torch.stack([_fit(f, placement) for f in frames], dim=1)
     try:
         raw = io.BytesIO(data) if data is not None else sample.blob.open()

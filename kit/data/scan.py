@@ -17,6 +17,7 @@ from PIL import UnidentifiedImageError
 
 from kit.config import DataConfig
 from kit.data import video
+from kit.data.blob import use_remote
 from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, probe
 from kit.data.pairs import pair_controls
@@ -265,6 +266,7 @@ def scan(cfg: DataConfig, family: Any = None) -> ScanReport:
     Each sample records its dataset's index; a problem in one dataset skips only its files,
     and a missing folder is named with its dataset.
     """
+    use_remote(cfg.remote_timeout, cfg.remote_retries)
     if not cfg.datasets:
         (view,) = views(cfg)
         found = scan_source(view, family) if elsewhere(view) else scan_folder(cfg, family)

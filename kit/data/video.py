@@ -22,6 +22,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
+from kit.data.images import BadImage
 from kit.errors import DataError
 
 FRAME_EXTS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
@@ -93,14 +94,19 @@ def clip_info(path: Path) -> tuple[int, int, int]:
 
 
 def read_frames(path: Path, indices: Sequence[int]) -> list[Image.Image]:
-    """The clip's frames at `indices` (in that order), as RGB images."""
+    """The clip's frames at `indices` (in that order), as RGB images; a clip whose frames
+    cannot be decoded raises BadImage naming it (the cache then skips that clip alone)."""
     try:
         if path.is_dir():
             frames = frame_files(path)
             out = []
             for i in indices:
-                with Image.open(frames[i]) as im:
-                    out.append(im.convert("RGB"))
+                try:
+                    with Image.open(frames[i]) as im:
+                        out.append(im.convert("RGB"))
+                except (UnidentifiedImageError, OSError, EOFError) as e:
+                    why = f"{frames[i].name}: {e or type(e).__name__}"
+                    raise BadImage(f"unreadable clip {path}: frame {why}") from None
             return out
         if path.suffix.lower() == ".gif":
             with Image.open(path) as im:
@@ -110,19 +116,24 @@ def read_frames(path: Path, indices: Sequence[int]) -> list[Image.Image]:
                     out.append(im.convert("RGB"))
                 return out
     except (UnidentifiedImageError, OSError, IndexError, EOFError) as e:
-        raise DataError(f"unreadable clip {path}: {e or type(e).__name__}") from None
+        raise BadImage(f"unreadable clip {path}: {e or type(e).__name__}") from None
     wanted = set(indices)
     got: dict[int, Image.Image] = {}
-    with _ffmpeg_reader(path) as reader:
-        # Decoding in order is the one access every container supports.
-        for i, frame in enumerate(reader):
-            if i in wanted:
-                got[i] = Image.fromarray(frame).convert("RGB")
-            if len(got) == len(wanted):
-                break
+    try:
+        with _ffmpeg_reader(path) as reader:
+            # Decoding in order is the one access every container supports.
+            for i, frame in enumerate(reader):
+                if i in wanted:
+                    got[i] = Image.fromarray(frame).convert("RGB")
+                if len(got) == len(wanted):
+                    break
+    except BadImage:
+        raise
+    except (OSError, RuntimeError, ValueError) as e:  # ffmpeg stopped on a damaged stream
+        raise BadImage(f"unreadable clip {path}: {(str(e).splitlines() or [repr(e)])[0]}") from None
     missing = wanted - set(got)
     if missing:
-        raise DataError(f"unreadable clip {path}: frame {min(missing)} is past its end")
+        raise BadImage(f"unreadable clip {path}: frame {min(missing)} is past its end")
     return [got[i] for i in indices]
 
 
@@ -139,7 +150,7 @@ def _ffmpeg_reader(path: Path):
     try:
         return iio.get_reader(str(path), format="ffmpeg")
     except (OSError, RuntimeError, ValueError) as e:
-        raise DataError(f"unreadable clip {path}: {e}") from None
+        raise BadImage(f"unreadable clip {path}: {e}") from None
 
 
 def usable_frames(
@@ -253,6 +264,10 @@ def window_starts(
         return (select_frames(total, frames, stride, start, key)[0],)
     if sampling == "uniform":
         # Evenly from 0 to slack, both ends included; rounding can merge starts of a short clip.
+        # A clip has slack + 1 distinct windows: asking for more (1e9) gives those, at once.
+        windows = min(windows, slack + 1)
+        if windows == 1:
+            return (0,)
         return tuple(sorted({round(i * slack / (windows - 1)) for i in range(windows)}))
     step = span if sampling == "chunk" or window_stride == 0 else window_stride
     starts = range(0, slack + 1, step)

@@ -32,7 +32,7 @@ from kit.export.writer import ExportResult, export
 from kit.families import Family, get_family
 from kit.families.loading import load_base
 from kit.io import atomic_dir, write_json
-from kit.methods import get_method
+from kit.methods import get_method, unread_keys
 from kit.methods.adapters import Lora
 from kit.methods.base import Method
 from kit.run import checkpoint as ckpt
@@ -329,6 +329,7 @@ def resize(
     }
     write_json(new.root / RESIZE_RECORD, record)
     new_cfg = cfg.replace(
+        **unread_keys(cfg, Lora.name),  # what only the old kind read (LoKr's factor...)
         network_type=Lora.name,
         use_dora=False,
         lora_rank=rank,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import Any
 
-from kit.config import Config
+from kit.config import Config, NetworkConfig
 from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
 from kit.methods.base import Method, NetworkSummary
@@ -50,6 +51,7 @@ def get_method(cfg: Config, family: Family) -> Method:
             f"network_type: unknown method '{name}' (known: {', '.join(method_names())}){hint}"
         )
     cls = _REGISTRY[name]
+    _refuse_unread(cfg, family, cls)
     why = cls.unsupported(family)
     if why is not None:
         others = ", ".join(supported(family)) or "none"
@@ -58,6 +60,33 @@ def get_method(cfg: Config, family: Family) -> Method:
             f"({family.name} supports: {others}) or another model_family"
         )
     return cls(cfg, family)
+
+
+def unread_keys(cfg: Config, name: str) -> dict[str, Any]:
+    """The network keys `cfg` sets that method `name` never reads, each at its default: what
+    a change of method (a plan, a resize) resets along with `network_type`."""
+    net, default = cfg.network, NetworkConfig()
+    others = {k for c in _REGISTRY.values() for k in c.own_keys} - set(_REGISTRY[name].own_keys)
+    return {
+        k: getattr(default, k) for k in sorted(others) if getattr(net, k) != getattr(default, k)
+    }
+
+
+def _refuse_unread(cfg: Config, family: Family, cls: type[Method]) -> None:
+    """Refuse a key set for another method or family than the configured one: it would be
+    accepted and then do nothing."""
+    for key in unread_keys(cfg, cls.name):
+        readers = ", ".join(n for n, c in sorted(_REGISTRY.items()) if key in c.own_keys)
+        raise ConfigError(
+            f"{key}: {cfg.get(key)!r} does nothing for network_type {cls.name} (only {readers} "
+            f"read it); remove it, or choose one of those"
+        )
+    # A base of two experts is the only kind whose family answers which experts train.
+    if cfg.model.train_experts and not callable(getattr(family, "experts", None)):
+        raise ConfigError(
+            f"train_experts: {cfg.model.train_experts!r} does nothing for model_family "
+            f"{family.name}, whose bases have one denoiser; remove it"
+        )
 
 
 def preview(cfg: Config) -> NetworkSummary:
@@ -89,4 +118,5 @@ __all__ = [
     "preview",
     "register",
     "supported",
+    "unread_keys",
 ]

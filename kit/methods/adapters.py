@@ -129,11 +129,12 @@ class Adapter(Method):
         """The text encoders that get an adapter; refuses what no client could load."""
         net, family = self.cfg.network, self.family
         if not net.train_text_encoder:
-            if net.text_encoders:
-                raise ConfigError(
-                    f"text_encoders: {net.text_encoders} is set but train_text_encoder is false; "
-                    "set train_text_encoder: true to train them, or remove text_encoders"
-                )
+            for key in ("text_encoders", "text_encoder_lr", "text_encoder_target_modules"):
+                if getattr(net, key):
+                    raise ConfigError(
+                        f"{key}: {getattr(net, key)} is set but train_text_encoder is false; "
+                        f"set train_text_encoder: true to train them, or remove {key}"
+                    )
             return ()
         if not self.text_adapters:
             raise ConfigError(
@@ -395,6 +396,7 @@ class Lora(Adapter):
 
     name = "lora"
     title = "LoRA"
+    own_keys = ("lora_dropout", "use_dora", "text_encoder_lr", "text_encoder_target_modules")
     base_learning_rate = 1e-4
     dora = False
     text_adapters = True
@@ -518,6 +520,7 @@ class LoHa(Lycoris):
 
     name = "loha"
     title = "LoHa"
+    own_keys = ("module_dropout",)
 
     def peft_config(self, targets, alpha):
         from peft import LoHaConfig
@@ -534,6 +537,7 @@ class LoKr(Lycoris):
 
     name = "lokr"
     title = "LoKr"
+    own_keys = ("module_dropout", "lokr_factor", "lokr_decompose_both")
 
     def peft_config(self, targets, alpha):
         from peft import LoKrConfig

@@ -70,6 +70,10 @@ class Method:
     """The adapter kind appended to `modelspec.architecture` (`lora`, `textual-inversion`);
     empty for a whole model."""
 
+    own_keys: tuple[str, ...] = ()
+    """Network keys only this method (and the others that list them) reads: set away from
+    their defaults on another method, they are refused (`get_method`), never ignored."""
+
     switchable = False
     """What trains is an adapter beside the frozen base that can be switched off
     (`adapter_off`), so the base model's own prediction is there to compare with (output

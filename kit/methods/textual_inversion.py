@@ -35,6 +35,7 @@ class TextualInversion(Method):
 
     name = "textual_inversion"
     title = "textual inversion"
+    own_keys = ("placeholder_tokens", "initializer_token")
     base_learning_rate = 5e-3
     modelspec_adapter = "textual-inversion"
     hub_tags = ("textual-inversion",)

@@ -30,7 +30,7 @@ from kit.data.store import AUTO_SHARDS
 from kit.errors import KitError
 from kit.families import get_family
 from kit.io import write_json
-from kit.methods import get_method
+from kit.methods import get_method, unread_keys
 from kit.optim import scale_learning_rate
 from kit.preflight.advice import advise, format_changes
 from kit.preflight.estimate import GIB, GPUS, estimate
@@ -287,6 +287,7 @@ def plan(
             network_type="lora",
             lora_rank=rank,
             lora_alpha=float(rank),
+            **unread_keys(from_dict(flat), "lora"),  # what only the config's kind read
         )
 
     # Batch, accumulation and memory.

@@ -37,7 +37,7 @@ from kit.train.classes import draw_class_images, wanted
 from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
-from kit.train.preserve import Preserver, check_preservation
+from kit.train.preserve import Preserver, check_preservation, check_triggers
 from kit.train.resume import check_resume, check_shape, restore
 from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
@@ -100,6 +100,7 @@ def prepare(
             draw_class_images(cfg, family, device, weight_dtype, accelerator.print)
         accelerator.wait_for_everyone()
     scanned = check_dataset(cfg.data, family)
+    check_triggers(cfg, scanned.samples)  # a trigger in no caption would preserve nothing
     # Every process on the same config and images, before anything is cached or trained.
     check_agreement(cfg, scanned.samples, _gather_object, accelerator.num_processes)
     # The cache is planned first: parts whose every entry is cached are never loaded.

@@ -18,12 +18,15 @@ run's stream.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kit.config import Config
 from kit.config.preservation import base_targets
+from kit.data.datasets import views
 from kit.errors import ConfigError
 from kit.families import Components, Family
 
@@ -65,6 +68,24 @@ def check_preservation(cfg: Config, method: Any) -> None:
             "slider with train_text_encoder: a slider's prompts are encoded once, by the base's "
             "text encoders, so their adapters would not learn; set train_text_encoder: false"
         )
+
+
+def check_triggers(cfg: Config, samples: Sequence[Any]) -> None:
+    """Refuse an output-preservation trigger that no caption of the taught data holds: its
+    class word would replace nothing, and the run would keep the base on the captions it is
+    asked to change."""
+    keep = cfg.objective.preservation
+    if keep is None or keep.kind != "output":
+        return
+    roles = [v.role for v in views(cfg.data)]
+    captions = [s.caption for s in samples if roles[s.dataset] != "prior"]
+    for trigger in keep.class_words:
+        word = re.compile(rf"(?<!\w){re.escape(trigger)}(?!\w)")  # as `prompt_for` finds it
+        if not any(word.search(c) for c in captions):
+            raise ConfigError(
+                f"class_words: {trigger!r} is in no caption of the training data "
+                f"({len(captions)} captions); put the trigger in the captions, or remove it"
+            )
 
 
 def _joined(sets: list[dict[str, Any]], n: int) -> dict[str, Any]:

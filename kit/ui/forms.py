@@ -236,6 +236,7 @@ class ConfigForm:
         except ConfigError as e:
             self._pending[f.name] = (raw, str(e))
             f.show_error(str(e))
+            self._apply_together()
             return
         self._pending.pop(f.name, None)
         f.show_error("")
@@ -253,6 +254,21 @@ class ConfigForm:
                 continue
             del self._pending[name]
             f.show_error("")
+        self._apply_together()
+
+    def _apply_together(self) -> None:
+        """Apply the refused values at once: values that need each other (textual_inversion
+        and its tokens, which no other method reads) are accepted together or not at all."""
+        if len(self._pending) < 2:
+            return
+        try:
+            together = {n: self.fields[n].from_widget(r) for n, (r, _) in self._pending.items()}
+            self._config = _checked(self._config.replace(**together))
+        except ConfigError:
+            return
+        for name in list(self._pending):
+            del self._pending[name]
+            self.fields[name].show_error("")
 
     def _sync(self) -> None:
         """Move every widget to the config's value (without treating that as an edit)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kit.config import DataConfig
-from kit.data.blob import Blob, filesystem, is_url, local_path
+from kit.data.blob import Blob, filesystem, is_url, local_path, remote
 from kit.data.paths import default_cache_dir
 from kit.data.samples import Sample, ScanReport
 from kit.io import write_text
@@ -39,7 +39,7 @@ def identity(shard: str) -> list[Any] | None:
     try:
         if is_url(shard):
             fs, path = filesystem(shard)
-            info = fs.info(path)
+            info = remote(f"shard {shard}", fs.info, path)
             tag = next((info[k] for k in ("ETag", "etag", "md5Hash", "mtime") if info.get(k)), "")
             return [info.get("size"), str(tag)]
         st = os.stat(local_path(shard))

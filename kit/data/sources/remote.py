@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kit.data.blob import Blob, filesystem, sha256
+from kit.data.blob import Blob, filesystem, remote, sha256, timed_out
 from kit.data.datasets import DatasetView
 from kit.data.images import BadImage
 from kit.data.samples import ScanReport
@@ -47,7 +47,9 @@ def scan_url_folder(view: DatasetView, family: Any = None) -> ScanReport:
         raise DataError(f"caption_dir: captions of {url} lie beside its images; leave it empty")
     fs, root = filesystem(url)
     try:
-        listing = fs.find(root, detail=True)
+        listing = remote(f"the listing of {url}", fs.find, root, detail=True)
+    except DataError:
+        raise
     except (OSError, ValueError) as e:  # missing bucket, refused credentials
         raise DataError(f"image_dir {url} cannot be listed: {e}") from None
     except Exception as e:  # the library's own error for a service it could not reach
@@ -122,6 +124,17 @@ def _scan_batch(
     texts = fs.cat(wanted, on_error="return") if wanted else {}
     if len(wanted) == 1 and not isinstance(texts, dict):
         texts = {wanted[0]: texts}
+    # A request of the batch that got no answer is asked again alone (`remote_retries`), not
+    # taken for an unreadable file.
+    heads = [
+        remote(f"{scheme}://{p}", fs.cat_file, p, start=0, end=min(s, HEADER_BYTES))
+        if timed_out(h)
+        else h
+        for p, s, h in zip(batch, sizes, heads, strict=True)
+    ]
+    for c, raw in texts.items():
+        if timed_out(raw):
+            texts[c] = remote(f"{scheme}://{c}", fs.cat_file, c)
     for p, size, head, cap in zip(batch, sizes, heads, caps, strict=True):
         name = f"{scheme}://{p}"
         if isinstance(head, BaseException):

@@ -19,6 +19,7 @@ keeps the samples before the cut.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -26,7 +27,18 @@ from typing import IO, Any
 from PIL import UnidentifiedImageError
 
 from kit.data import video
-from kit.data.blob import Blob, expand_braces, filesystem, is_url, local_path, sha256
+from kit.data.blob import (
+    Blob,
+    expand_braces,
+    filesystem,
+    is_url,
+    local_path,
+    no_answer,
+    remote,
+    sha256,
+    timed_out,
+)
+from kit.data.bounds import check_member, size_text
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources import index
@@ -48,7 +60,7 @@ def _open(shard: str) -> IO[bytes]:
     try:
         if is_url(shard):
             fs, path = filesystem(shard)
-            return fs.open(path, "rb", block_size=8 << 20)
+            return remote(f"shard {shard}", fs.open, path, "rb", block_size=8 << 20)
         return open(local_path(shard), "rb")
     except FileNotFoundError:
         raise DataError(f"shard {shard} not found") from None
@@ -95,8 +107,9 @@ def _read_shard(shard: str, view: DatasetView, report: ScanReport, clips: tuple)
         group: dict[str, tuple[int, int, bytes]] = {}
         key = None
         done = 0
+        cut: Exception | None = None
         try:
-            for name, start, data in members(f):
+            for name, start, data in members(f, shard):
                 k, ext = split_key(name)
                 if k != key:
                     done += _flush(shard, key, group, view, report, clips)
@@ -107,13 +120,20 @@ def _read_shard(shard: str, view: DatasetView, report: ScanReport, clips: tuple)
                 f"shard {shard} is not an uncompressed tar file ({e}); write shards as plain "
                 ".tar, as WebDataset does"
             ) from None
-        except (TarCut, OSError) as e:
-            # The member being read is lost (it is cut short); the ones before it are kept.
-            report.skipped.append(
-                (Path(shard), f"shard cut short after {done} sample(s) ({e}); its rest is skipped")
-            )
-            group = {}
+        except Exception as e:
+            if timed_out(e):  # a store that stopped answering: not a shard cut short
+                raise no_answer(f"shard {shard} after {done} sample(s)", 1) from None
+            if not isinstance(e, TarCut | OSError):
+                raise
+            # The member being read is lost (it is cut short); the ones before it are kept, and
+            # so is the key read whole before a member of another key whose header lies.
+            cut = e
+            if not getattr(e, "member", "") or split_key(e.member)[0] == key:
+                group = {}
         done += _flush(shard, key, group, view, report, clips)
+        if cut is not None:
+            why = f"shard cut short after {done} sample(s) ({cut}); its rest is skipped"
+            report.skipped.append((Path(shard), why))
 
 
 class NotATar(Exception):
@@ -123,12 +143,28 @@ class NotATar(Exception):
 class TarCut(Exception):
     """The tar ends inside a member or a header, or lacks its end marker."""
 
+    def __init__(self, why: str, member: str = "") -> None:
+        super().__init__(why)
+        self.member = member
+        """The member whose header or data is cut or damaged, where its name was read."""
+
 
 _BLOCK = 512
 _FILE_TYPES = (b"0", b"\0", b"7")
 
 
-def members(f: IO[bytes]) -> Iterator[tuple[str, int, bytes]]:
+def _length(f: IO[bytes]) -> int | None:
+    """A shard's length in bytes (a local file's, or a store's object's); None when unknown."""
+    size = getattr(f, "size", None)  # an fsspec file knows its object's
+    if isinstance(size, int):
+        return size
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def members(f: IO[bytes], shard: str = "") -> Iterator[tuple[str, int, bytes]]:
     """(name, offset of its data, data) of each regular file of a tar read front to back.
 
     A plain reader of the POSIX (ustar, pax) and GNU formats, read as one stream: a tenth of
@@ -137,6 +173,7 @@ def members(f: IO[bytes]) -> Iterator[tuple[str, int, bytes]]:
     """
     pos = 0
     long_name = ""
+    total = _length(f)
     while True:
         header = f.read(_BLOCK)
         if len(header) < _BLOCK:
@@ -154,6 +191,16 @@ def members(f: IO[bytes]) -> Iterator[tuple[str, int, bytes]]:
             raise TarCut(f"a damaged header at byte {pos}")
         kind = header[156:157]
         padded = -(-size // _BLOCK) * _BLOCK
+        # The size is the header's word: checked against the shard and the memory before the
+        # member is read whole (a damaged header can claim gigabytes).
+        name = long_name or _ustar_name(header)
+        if total is not None and pos + _BLOCK + padded > total:
+            raise TarCut(
+                f"the header of {name} at byte {pos} claims {size_text(size)}, more than the "
+                f"shard's {total:,} bytes hold",
+                name,
+            )
+        check_member(shard, name, size)
         data = f.read(padded)
         if len(data) < padded:
             raise TarCut(f"a member's data is cut short at byte {pos + _BLOCK + len(data)}")
