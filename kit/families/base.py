@@ -18,6 +18,7 @@ from torch import nn
 
 from kit.config import Config
 from kit.errors import KitError
+from kit.families.drawing import Drawing
 from kit.families.exports import FamilyExports
 from kit.families.identity import (
     DtypeSpec,
@@ -35,7 +36,10 @@ from kit.families.noise import (
     flow_noise_and_target,
     flow_sampling,
 )
-from kit.families.samplers import DEFAULT, ImageSpec, check_validation, open_named_images
+from kit.families.samplers import DEFAULT, check_validation
+from kit.families.samplers import (
+    ImageSpec as ImageSpec,  # re-exported: families and tests import it here
+)
 from kit.families.shipped import SHIPPED
 
 if TYPE_CHECKING:
@@ -79,9 +83,6 @@ class Components:
             self.denoiser = other.denoiser
 
 
-BATCHED_KWARGS = ("prompt", "negative_prompt")
-"""The pipeline call's arguments that `Family.sample_batch` gives as one list per batch."""
-
 PARTS = ("denoiser", "vae", "text_encoders")
 """The loadable parts of a base model; the scheduler and tokenizers always load."""
 
@@ -103,7 +104,7 @@ def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tens
     return mean + dist.std * noise.to(mean)
 
 
-class Family(FamilyExports, ABC):
+class Family(FamilyExports, Drawing, ABC):
     """One model architecture. Subclass, set the class attributes, register with `@register`."""
 
     name: str = ""
@@ -505,59 +506,6 @@ class Family(FamilyExports, ABC):
         if o.loss_weighting != "none":
             draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
         return draw
-
-    def call_kwargs(self, spec: ImageSpec) -> dict[str, Any]:
-        """The keyword arguments of the pipeline call that draws `spec` (recorded in sidecars)."""
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            # The string, even when empty: ComfyUI and A1111 encode an empty negative prompt, and
-            # SDXL's pipeline would draw with zeros for None (`force_zeros_for_empty_prompt`).
-            "negative_prompt": spec.negative_prompt,
-            "num_inference_steps": spec.num_inference_steps,
-            "guidance_scale": spec.guidance_scale,
-            "width": spec.width,
-            "height": spec.height,
-        }
-        if spec.adapter_scale != 1.0:
-            kwargs["cross_attention_kwargs"] = {"scale": spec.adapter_scale}
-        return kwargs
-
-    def pipeline_call(self, spec: ImageSpec) -> dict[str, Any]:
-        """`call_kwargs` with the images they name by file (an edit model's controls, an
-        image-to-video model's first frame: files, so the sidecar records them) opened."""
-        return open_named_images(self.call_kwargs(spec))
-
-    def sample(self, pipe: Any, spec: ImageSpec) -> list[Image.Image]:
-        """Draw `spec`: one image, or the frames of a clip."""
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            out = pipe(**self.pipeline_call(spec), generator=generator)
-        return [out.images[0]]
-
-    def sample_batch(self, pipe: Any, specs: list[ImageSpec]) -> list[list[Image.Image]]:
-        """Draw `specs` as `sample` draws each: in one pipeline call when they differ only in
-        prompt and seed, with a generator per image (each image's starting noise is the one its
-        own call would draw); one call each otherwise, or where a family draws its own way."""
-        shared = [
-            {k: v for k, v in self.call_kwargs(s).items() if k not in BATCHED_KWARGS} for s in specs
-        ]
-        own_way = type(self).sample is not Family.sample
-        if (
-            len(specs) < 2
-            or own_way
-            or any(s.control for s in specs)
-            or shared.count(shared[0]) < len(shared)
-        ):
-            return [self.sample(pipe, s) for s in specs]
-        kwargs = {
-            **self.pipeline_call(specs[0]),
-            "prompt": [s.prompt for s in specs],
-            "negative_prompt": [s.negative_prompt for s in specs],
-        }
-        generators = [torch.Generator(s.generator_device).manual_seed(s.seed) for s in specs]
-        with torch.no_grad():
-            out = pipe(**kwargs, generator=generators)
-        return [[image] for image in out.images]
 
     # ------------------------------------------------------------ memory estimate
 
