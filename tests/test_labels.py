@@ -4,6 +4,7 @@ clients and versions each file is for, and the model card's usage text (issue 47
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,21 @@ def test_each_expert_file_is_for_its_own_expert(tmp_path):
     assert "run_low_noise" in low and "the low-noise expert" in low and "high-noise" not in low
     assert "Each file goes on the model it names" in text
     assert "low-noise" not in rows["run_high_noise"] and "high-noise" not in rows["run_low_noise"]
+
+
+def test_the_readme_says_which_kohya_files_diffusers_converter_loads():
+    """Measured: diffusers' converter loads the 2026 families' LoRA files, and raises on (or,
+    for a FLUX.2 LoHa, silently skips) their LoHa and LoKr files."""
+    from kit.methods import get_method
+
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    claims = [s for s in re.split(r"(?<=[.;])\s+", text) if "diffusers' own converter" in s]
+    assert claims and all("LoRA" in s for s in claims), claims
+    assert "a LoHa or LoKr one does not" in text
+    assert "loads a FLUX.2 LoHa file without an error while changing no weight" in text
+    # The export checks a LoHa / LoKr kohya file with no diffusers redraw, as the README says.
+    for name in ("zimage", "qwen_image", "flux2", "chroma"):
+        family = _family(name)
+        for kind in ("loha", "lokr"):
+            method = get_method(family.cfg.replace(network_type=kind), family)
+            assert method.kohya_apply() is None, (name, kind)
