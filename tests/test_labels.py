@@ -168,3 +168,32 @@ def test_the_readme_says_which_kohya_files_diffusers_converter_loads():
         for kind in ("loha", "lokr"):
             method = get_method(family.cfg.replace(network_type=kind), family)
             assert method.kohya_apply() is None, (name, kind)
+
+
+def test_an_update_still_at_its_initial_value_is_untrained():
+    """peft starts one factor of each update at zero: while one stays all zero, in every
+    module, the file changes nothing."""
+    import torch
+
+    from kit.methods import get_method
+
+    sd15 = _family("sd15")
+
+    def untrained(kind: str, **factors) -> bool:
+        method = get_method(sd15.cfg.replace(network_type=kind), sd15)
+        weights = {}
+        for module in ("down.0.to_q", "down.0.to_k"):
+            for name, zero in factors.items():
+                weights[f"{module}.{name}.weight"] = (torch.zeros if zero else torch.ones)(2, 2)
+        return method.untrained(weights)
+
+    assert untrained("lora", lora_A=False, lora_B=True)
+    assert not untrained("lora", lora_A=False, lora_B=False)
+    assert untrained("loha", hada_w1_a=False, hada_w1_b=False, hada_w2_a=False, hada_w2_b=True)
+    assert not untrained("loha", hada_w1_a=False, hada_w2_b=False)
+    assert untrained("lokr", lokr_w1=True, lokr_w2=False)
+    assert not untrained("lokr", lokr_w1=False, lokr_w2=False)
+    method = get_method(sd15.cfg.replace(network_type="lora"), sd15)
+    one_trained = {"a.lora_B.weight": torch.zeros(2, 2), "b.lora_B.weight": torch.ones(2, 2)}
+    assert not method.untrained(one_trained)
+    assert not method.untrained({})

@@ -197,7 +197,7 @@ def export(
         if not verification.passed:
             failing = [c for c in verification.clients if not c["passed"]]
             what = (
-                f"{path} does not load right in {', '.join(c['client'] for c in failing)}: "
+                f"{path} does not load right in {', '.join(_named(c) for c in failing)}: "
                 + "; ".join(_failure(c) for c in failing)
                 if failing
                 else f"{path} does not reproduce the kit's images (max pixel difference "
@@ -279,10 +279,10 @@ def reject(run: RunDir, fmt: str, path: Path, report: Path) -> Path:
 
 def _failure(check: dict[str, Any]) -> str:
     if check["unconsumed"]:
-        return f"{check['client']} reads no {check['unconsumed'][0]}"
+        return f"{_named(check)} reads no {check['unconsumed'][0]}"
     if check["missed"]:
-        return f"{check['client']} leaves {check['missed'][0]} unchanged"
-    return f"{check['client']} is off by {check['max_relative_error']:.2g} (relative)"
+        return f"{_named(check)} leaves {check['missed'][0]} unchanged"
+    return f"{_named(check)} is off by {check['max_relative_error']:.2g} (relative)"
 
 
 def check_clients(
