@@ -278,17 +278,17 @@ def client_usage(
         if record.get("untrained"):
             text += f" It is UNTRAINED: {record['untrained']}."
         rows.append(text)
+    notes = []  # paragraphs after the list
     if len(kohya) > 1:
-        rows.append(
+        notes.append(
             "Each file goes on the model it names: on the other one it adapts weights it was "
             "not trained for."
         )
-    gaps = [f"{c}: {gap}." for c, gap in method.client_gaps().items() if c in _clients(run)]
-    rows += gaps
+    notes += [f"{c}: {gap}." for c, gap in method.client_gaps().items() if c in _clients(run)]
     if _first(files, "diffusers"):
-        rows.append("The files in the diffusers layout above hold the same adapter.")
+        notes.append("The files in the diffusers layout above hold the same adapter.")
     title = "Use it in " + (" or ".join(sorted(named)) if named else "other clients")
-    return title, "\n".join(rows)
+    return title, "\n\n".join(["\n".join(rows), *notes])
 
 
 def _clients(run: RunDir) -> set[str]:

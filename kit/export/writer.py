@@ -70,7 +70,7 @@ class Verification:
             parts.append(f"exact in {', '.join(exact) or 'no client'}")
         checked = "; ".join(parts) or "nothing checked"
         if self.untrained:
-            return f"UNTRAINED: {self.untrained} (checked: {checked})"
+            return f"UNTRAINED: {self.untrained}; checked: {checked}"
         return "verified: " + checked
 
     def for_file(self, part: str, family: Family, fmt: str, formats: tuple[str, ...]):
@@ -217,7 +217,8 @@ def export(
 def _untrained(part: str, drawn: dict[str, int], step: int) -> str:
     """Why file `part` changes nothing, for its record and the console."""
     what = f"the {part} adapter" if part else "the adapter"
-    batches = f"; it drew {drawn.get(part, 0)} batches in {step} steps" if drawn else ""
+    steps = f"{step} step{'s' if step != 1 else ''}"
+    batches = f"; it drew {drawn.get(part, 0)} batches in {steps}" if drawn else ""
     return f"{what} is still at its initial value at step {step}, so it changes nothing{batches}"
 
 

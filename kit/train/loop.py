@@ -109,8 +109,6 @@ def fit(s: TrainState) -> TrainResult:
                     s.cursor = (s.epoch, s.position)
         final_weights(s.optimizer)  # what is kept: a schedule-free optimizer's average
         save(s, s.step)
-        if s.main:
-            _warn_untrained(s)
         if s.world > 1:
             digest = weights_digest(trained_weights(s))
             audit(s.run, s.rank, {"final_step": s.step, "weights_sha256": digest})
@@ -137,6 +135,7 @@ def fit(s: TrainState) -> TrainResult:
                 )
     s.result.step = s.step
     if s.main:
+        _warn_untrained(s)  # after the progress bar's last line
         with timer.phase("plot"):
             plot_metrics(s.run.read_metrics(), s.run.loss_plot)
         spent = timer.summary(("final_sample", "doctor", "archive", "plot"))
