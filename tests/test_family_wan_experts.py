@@ -318,6 +318,10 @@ def test_an_expert_no_batch_drew_is_called_untrained(experts_run, capsys):
     assert json.loads(kohya.files[idle].with_suffix(".verify.json").read_text())["untrained"]
     assert file_use(run, "kohya", kohya.files[idle].name).startswith("UNTRAINED")
     assert not file_use(run, "kohya", kohya.files[drew].name).startswith("UNTRAINED")
+    # Written again without its check, a file keeps no earlier file's record.
+    export(run.root, "kohya", verify=False)
+    assert not kohya.files[idle].with_suffix(".verify.json").exists()
+    assert file_use(run, "kohya", kohya.files[idle].name).startswith("not checked")
 
 
 def test_quantized_experts_train_resume_and_export(experts_run):

@@ -259,7 +259,7 @@ def client_usage(
             named.add("ComfyUI")
             on = f" on the model of {family.part_title(part)}" if part else ""
             label = family.client_label("ComfyUI")
-            since = f" ({label})" if label != "ComfyUI" else ""
+            since = f"; it needs {label}" if label != "ComfyUI" else ""
             where.append(
                 f"into `ComfyUI/models/loras/` and load it with a LoRA loader node{on}{since}"
             )

@@ -155,6 +155,12 @@ def export(
         applies = [(a, p) for p, a in written.values()]
         apply = None if any(a is None for a, _ in applies) else _apply_all(applies)
     verification = None
+    reports = [
+        Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json"))
+        for file, _ in written.values()
+    ]
+    for report in reports if not verify else []:
+        report.unlink(missing_ok=True)  # an earlier export's record is not this file's
     if verify:
         verification = (
             verify_export(run, path, step, tolerance=tolerance, apply=apply)
@@ -188,10 +194,6 @@ def export(
             files_of[part].untrained = _untrained(part, verification.drawn, step)
         verification.use_in = use_in(fmt, verification, allowed, family)
         verification.untrained = "; ".join(files_of[p].untrained for p in untrained)
-        reports = [
-            Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json"))
-            for file, _ in written.values()
-        ]
         for part, report in zip(written, reports, strict=True):
             write_json(report, files_of[part].__dict__)
         if not verification.passed:
