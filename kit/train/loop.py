@@ -135,7 +135,8 @@ def fit(s: TrainState) -> TrainResult:
                 )
     s.result.step = s.step
     if s.main:
-        _warn_untrained(s)  # after the progress bar's last line
+        with contextlib.suppress(Exception):  # a finished run never fails on its warning
+            _warn_untrained(s)  # after the progress bar's last line
         with timer.phase("plot"):
             plot_metrics(s.run.read_metrics(), s.run.loss_plot)
         spent = timer.summary(("final_sample", "doctor", "archive", "plot"))
