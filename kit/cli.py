@@ -16,6 +16,7 @@ from kit import cli_data, cli_share
 from kit.cli_data import config_of as _config
 from kit.cli_data import print_json as _print_json
 from kit.errors import KitError, explain
+from kit.families import registry  # noqa: F401  (fills each family's default base first)
 
 
 def cmd_env(args: argparse.Namespace) -> int:

@@ -47,10 +47,11 @@ def _export_each(args: argparse.Namespace, formats: list[str]) -> int:
             failed.append(fmt)
             continue
         v = r.verification
-        paths = ", ".join(f"{p} ({part})" for part, p in r.files.items()) or r.path
-        print(f"{fmt}: {paths} (step {r.step}; {v.describe() if v else 'not verified'})")
-        if v and v.use_in:
-            print(f"  for: {'; '.join(v.use_in)}")
+        # Each file of a denoiser of several models on its own lines: its checks, its clients.
+        for path, each in [(r.files[p], r.verifications.get(p)) for p in r.files] or [(r.path, v)]:
+            print(f"{fmt}: {path} (step {r.step}; {each.describe() if each else 'not verified'})")
+            if each and each.use_in:
+                print(f"  for: {'; '.join(each.use_in)}")
         for note in v.notes if v else []:
             print(f"  note: {note}")
     return 2 if failed else 0

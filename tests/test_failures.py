@@ -395,10 +395,7 @@ def test_exports_say_their_clients_and_a_failed_one_is_moved_aside(
     )
     assert main(["export", str(run.root), "--format", "diffusers"]) == 0
     out = capsys.readouterr().out
-    assert (
-        "for: diffusers (pipe.load_lora_weights); ComfyUI, A1111 and Forge: use the kohya file"
-        in out
-    )
+    assert "for: diffusers (pipe.load_lora_weights); other clients: use the kohya file" in out
     record = json.loads(next((run.exports / "diffusers").glob("*.verify.json")).read_text())
     assert record["use_in"][0].startswith("diffusers")
     # A run without a kohya file (Flux or SD3 DoRA) says that none of its files is for ComfyUI.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -240,14 +241,87 @@ def test_exports_one_file_per_expert_that_loads_into_it(experts_run, experts_bas
     # ComfyUI's names, checked as every Wan export is: each expert's file on its expert.
     kohya = export(tmp / "straight", "kohya")
     assert kohya.verification.passed
-    clients = {c["client"]: c for c in kohya.verification.clients}
-    assert set(clients) == {"ComfyUI (high_noise)", "ComfyUI (low_noise)"}
+    clients = {(c["client"], c["part"]): c for c in kohya.verification.clients}
+    assert set(clients) == {("ComfyUI", "high_noise"), ("ComfyUI", "low_noise")}
     assert all(c["exact"] and c["weights"] > 0 for c in clients.values())
+    assert kohya.verification.describe().startswith("verified")
+    boundary = {"high_noise": "875,1000", "low_noise": "0,875"}
     for part, path in kohya.files.items():
         assert path.name.endswith(f"_{part}.safetensors")
         with safe_open(str(path), "pt") as f:
-            assert f.metadata()["kit.expert"] == part
+            meta = f.metadata()
             assert any(k.startswith("lora_unet_blocks_0_self_attn_q.") for k in f.keys())
+        assert meta["kit.expert"] == part and meta["modelspec.timestep_range"] == boundary[part]
+        assert meta["ss_base_model_version"] == "wan_2.2_14b"
+        assert meta["modelspec.architecture"] == "wan2.2-t2v-a14b/lora"
+        # Its own record: its expert's check only, and the client on that expert alone.
+        other = "low-noise" if part == "high_noise" else "high-noise"
+        for record in (
+            json.loads(path.with_suffix(".verify.json").read_text()),
+            kohya.verifications[part].__dict__,
+        ):
+            assert record["part"] == part and [c["part"] for c in record["clients"]] == [part]
+            assert len(record["use_in"]) == 1 and record["use_in"][0].startswith("ComfyUI on ")
+            assert (
+                part.replace("_", "-") in record["use_in"][0] and other not in record["use_in"][0]
+            )
+        assert kohya.verifications[part].describe().startswith("verified")
+
+    # The model card: each file's row names its own expert; ComfyUI's steps put each file on
+    # its expert's model; diffusers loads the low-noise file into transformer_2; no A1111.
+    from kit.config import load_config
+    from kit.export.card import model_card
+    from kit.run.folder import RunDir
+
+    run = RunDir(tmp / "straight")
+    names = {fmt: [p.name for p in r.files.values()] for fmt, r in (("diffusers", result),)}
+    names["kohya"] = [p.name for p in kohya.files.values()]
+    card = model_card(run, load_config(run.config), names, None)
+    for part, other in (("high_noise", "low-noise"), ("low_noise", "high-noise")):
+        rows = [line for line in card.splitlines() if line.startswith("| `") and part in line]
+        assert len(rows) == 2 and all(other not in r for r in rows), rows
+        (usage,) = [line for line in card.splitlines() if line.startswith("- `") and part in line]
+        assert f"the {part.replace('_', '-')} expert" in usage and other not in usage
+    assert "## Use it in ComfyUI\n" in card and "<lora:" not in card and "AUTOMATIC1111" not in card
+    assert "load_into_transformer_2=True)" in card
+
+
+def test_an_expert_no_batch_drew_is_called_untrained(experts_run, capsys):
+    """One step of `both` trains one expert: the other's adapter ends at its initial value.
+    Training, the doctor, the export's records and the card say so, with the batches drawn."""
+    from kit.export.card import file_use
+    from kit.export.writer import export
+    from kit.run import checkpoint as ckpt
+    from kit.run.folder import RunDir
+    from kit.train.loop import train
+
+    tmp, config, _ = experts_run
+    capsys.readouterr()
+    train(config("one", max_train_steps=1, checkpointing_steps=1))
+    printed = capsys.readouterr().out
+    run = RunDir(tmp / "one")
+    drawn = json.loads((ckpt.checkpoint_dir(run.root, 1) / ckpt.PROGRESS_FILE).read_text())
+    ((drew, batches),) = drawn["drawn"].items()
+    idle = "low_noise" if drew == "high_noise" else "high_noise"
+    assert batches == 1
+    assert f"the {idle} adapter is still at its initial value at step 1" in printed
+    doctor = json.loads(run.doctor_report.read_text())["findings"]
+    (finding,) = [f for f in doctor if f["code"] == "untrained_part"]
+    assert finding["severity"] == "warning" and idle in finding["title"]
+    assert (
+        f"batches each part drew: high_noise {int(drew == 'high_noise')}" in finding["evidence"][0]
+    )
+    kohya = export(run.root, "kohya")
+    described = kohya.verifications[idle].describe()
+    assert described.startswith("UNTRAINED:") and "drew 0 batches" in described
+    assert kohya.verifications[drew].describe().startswith("verified")
+    assert json.loads(kohya.files[idle].with_suffix(".verify.json").read_text())["untrained"]
+    assert file_use(run, "kohya", kohya.files[idle].name).startswith("UNTRAINED")
+    assert not file_use(run, "kohya", kohya.files[drew].name).startswith("UNTRAINED")
+    # Written again without its check, a file keeps no earlier file's record.
+    export(run.root, "kohya", verify=False)
+    assert not kohya.files[idle].with_suffix(".verify.json").exists()
+    assert file_use(run, "kohya", kohya.files[idle].name).startswith("not checked")
 
 
 def test_quantized_experts_train_resume_and_export(experts_run):

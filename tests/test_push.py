@@ -123,7 +123,7 @@ def test_the_card_says_what_it_is_and_how_to_use_it(dry_run):
     assert "| file | format | load it in |" in card
     diffusers_row = next(line for line in card.splitlines() if "| diffusers |" in line)
     assert "diffusers (pipe.load_lora_weights)" in diffusers_row
-    assert "ComfyUI, A1111 and Forge: use the kohya file" in diffusers_row
+    assert "other clients: use the kohya file" in diffusers_row
     kohya_row = next(line for line in card.splitlines() if "| kohya |" in line)
     assert "ComfyUI" in kohya_row
     assert "| network | LoRA, rank 4, alpha 2 |" in card and "| steps | 3 |" in card

@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from kit.config.model import ModelConfig
+from kit.config.model import DEFAULT_BASES, ModelConfig
 from kit.config.preservation import PreservationConfig, SliderConfig
 from kit.config.sections import (
     DataConfig,
@@ -70,8 +70,15 @@ class Config:
         return getattr(getattr(self, field_section(name)), name)
 
     def replace(self, **changes: Any) -> Config:
-        """A copy with fields changed by name (checked like a file's keys)."""
-        return from_dict({**self.to_dict(flat=True), **changes})
+        """A copy with fields changed by name (checked like a file's keys). A base left at its
+        family's own follows a change of `model_family`."""
+        current = self.to_dict(flat=True)
+        m = self.model
+        if "pretrained_model" not in changes and m.pretrained_model == DEFAULT_BASES.get(
+            m.model_family
+        ):
+            current["pretrained_model"] = ""
+        return from_dict({**current, **changes})
 
     def save(self, path: str | Path) -> None:
         """Write the config as sectioned JSON (atomic)."""

@@ -7,14 +7,20 @@ from typing import Literal
 
 from kit.errors import ConfigError
 
+DEFAULT_BASES: dict[str, str] = {}
+"""Each family's maintained base by `model_family`: what an empty `pretrained_model` stands for
+(the hub id `kit families` prints). The family registry (`kit.families.registry`) fills it as
+it is imported; this layer knows no family."""
+
 
 @dataclass
 class ModelConfig:
     model_family: str = "sd15"
     """Registered model family (see `kit families`), e.g. `sd15`."""
-    pretrained_model: str = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+    pretrained_model: str = ""
     """Base model: a local diffusers folder, a hub id, or one `.safetensors` / `.ckpt` file
-    (as A1111, ComfyUI and model sites share them; see `model_config`)."""
+    (as A1111, ComfyUI and model sites share them; see `model_config`); empty takes the
+    family's maintained base (the hub id `kit families` prints)."""
     model_config: str = ""
     """For a single-file `pretrained_model`: where the architecture's configs, the tokenizers,
     the scheduler and any part the file lacks come from: a diffusers folder or hub id of the same
@@ -51,5 +57,7 @@ class ModelConfig:
     the trained LoRA is then used on the distilled base alone. Validation draws both ways."""
 
     def __post_init__(self) -> None:
+        if not self.pretrained_model:
+            self.pretrained_model = DEFAULT_BASES.get(self.model_family, "")
         if not 0 <= self.max_sequence_length <= 512:
             raise ConfigError(f"max_sequence_length: {self.max_sequence_length} must be 0..512")

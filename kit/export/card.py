@@ -3,7 +3,8 @@
 The front matter is what the hub indexes and shows: the base model (by hub id only: a local
 folder's name would be a broken link), tags, the license, the trigger words and sample images
 as widgets. The prose says what the files are, how to load them in diffusers and where to put
-them for ComfyUI and AUTOMATIC1111, and what the run was trained with. Everything in it is a
+them for the clients each file's export check passed (ComfyUI, AUTOMATIC1111 / Forge), and what
+the run was trained with. Everything in it is a
 name, a number or a prompt: never a local path, and never a token.
 """
 
@@ -160,8 +161,8 @@ def diffusers_usage(
             body.append(f'pipe.load_lora_weights("{repo}", weight_name="{name}"{extra})')
     else:
         return (
-            "diffusers' `load_lora_weights` does not read LoHa or LoKr weights; load the "
-            "LyCORIS file in ComfyUI or AUTOMATIC1111 / Forge (below)."
+            "diffusers' `load_lora_weights` does not read this run's LoHa or LoKr weights; "
+            "the clients below load its kohya-layout file."
         )
     if family.video:
         draw = [
@@ -201,52 +202,104 @@ def _embedding_lines(
 
 FORMAT_USE = {
     "diffusers": "diffusers (`pipe.load_lora_weights`)",
-    "kohya": "ComfyUI, AUTOMATIC1111 / Forge",
     "embedding": "ComfyUI, AUTOMATIC1111 / Forge, diffusers (`load_textual_inversion`)",
     "peft": "peft (`PeftModel.from_pretrained`)",
 }
-"""Which clients a file of each format is for, where its export left no record of its checks."""
+"""Which clients a file of each format is for, where its export left no record of its checks
+(a kohya file's clients are only those its check passed: none without one)."""
+
+
+def file_record(run: RunDir, fmt: str, path: str) -> dict[str, Any]:
+    """What the file's export recorded (its verify.json), {} where there is none."""
+    record = run.exports / fmt / f"{Path(path).stem}.verify.json"
+    try:
+        data = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def file_use(run: RunDir, fmt: str, path: str) -> str:
     """Which clients the file is for: what its export's check recorded (`use_in` of its
-    verify.json, the clients whose rules it passed), else the format's usual clients."""
-    record = run.exports / fmt / f"{Path(path).stem}.verify.json"
-    try:
-        use = json.loads(record.read_text(encoding="utf-8")).get("use_in") or []
-    except (OSError, ValueError, AttributeError):
-        use = []
-    if use:
-        return "; ".join(str(u) for u in use)
-    return FORMAT_USE.get(fmt, f"{fmt} clients")
+    verify.json, the clients whose rules it passed), else the format's usual clients; a file
+    that changes nothing says so first."""
+    record = file_record(run, fmt, path)
+    use = "; ".join(str(u) for u in record.get("use_in") or [])
+    if not use:
+        use = FORMAT_USE.get(fmt, f"not checked (export {fmt} again with its check)")
+    return f"UNTRAINED, changes nothing: {use}" if record.get("untrained") else use
 
 
-def client_usage(method: Method, files: dict[str, list[str]]) -> str:
-    """Which file goes where for ComfyUI and AUTOMATIC1111 / Forge."""
+def client_usage(
+    run: RunDir, family: Family, method: Method, files: dict[str, list[str]]
+) -> tuple[str, str]:
+    """The section on the single-file clients, as (its title, its text): which file goes
+    where, for the clients its export's check passed only (`use_in`), each file on the model
+    it is for where the denoiser is several."""
     if files.get("embedding"):
         rows = [
             f"- `{p}`: into `ComfyUI/models/embeddings/` (write `embedding:{Path(p).stem}` in "
             f"the prompt) or `stable-diffusion-webui/embeddings/` (write `{Path(p).stem}`)."
             for p in files.get("embedding", [])
         ]
-        return "\n".join(rows)
-    kohya = _first(files, "kohya")
+        return "Use it in ComfyUI or AUTOMATIC1111", "\n".join(rows)
+    kohya = files.get("kohya") or []
     if not kohya:
-        return (
-            "This run has no single-file export for these clients; the files above load in "
-            "diffusers."
+        return "Use it in other clients", (
+            "This run has no single-file export for ComfyUI or AUTOMATIC1111; the files above "
+            "load in diffusers."
         )
-    stem = Path(kohya).stem
-    text = (
-        f"Put `{kohya}` into `ComfyUI/models/loras/` and load it with a LoraLoader node, or into "
-        f"`stable-diffusion-webui/models/Lora/` and write `<lora:{stem}:1>` in the prompt "
-        "(AUTOMATIC1111 and Forge)."
-    )
-    for client, gap in method.client_gaps().items():
-        text += f" {client}: {gap}."
+    rows, named = [], set()
+    for path in kohya:
+        record = file_record(run, "kohya", path)
+        use = [str(u) for u in record.get("use_in") or []]
+        part = str(record.get("part") or "")
+        where = []
+        if any(u.startswith("ComfyUI") for u in use):
+            named.add("ComfyUI")
+            on = f" on the model of {family.part_title(part)}" if part else ""
+            label = family.client_label("ComfyUI")
+            since = f"; it needs {label}" if label != "ComfyUI" else ""
+            where.append(
+                f"into `ComfyUI/models/loras/` and load it with a LoRA loader node{on}{since}"
+            )
+        if any(u.startswith("A1111") for u in use):
+            named.add("AUTOMATIC1111")
+            where.append(
+                f"into `stable-diffusion-webui/models/Lora/` and write "
+                f"`<lora:{Path(path).stem}:1>` in the prompt (AUTOMATIC1111 and Forge)"
+            )
+        text = f"- `{path}`: " + (
+            ", or ".join(where) + "."
+            if where
+            else "no client check backs it (exported without one, or none passed): export it "
+            "again with its check to learn where it loads."
+        )
+        if record.get("untrained"):
+            text += f" It is UNTRAINED: {record['untrained']}."
+        rows.append(text)
+    notes = []  # paragraphs after the list
+    if len(kohya) > 1:
+        notes.append(
+            "Each file goes on the model it names: on the other one it adapts weights it was "
+            "not trained for."
+        )
+    notes += [f"{c}: {gap}." for c, gap in method.client_gaps().items() if c in _clients(run)]
     if _first(files, "diffusers"):
-        text += f" `{_first(files, 'diffusers')}` is the same adapter in the diffusers layout."
-    return text
+        notes.append("The files in the diffusers layout above hold the same adapter.")
+    title = "Use it in " + (" or ".join(sorted(named)) if named else "other clients")
+    return title, "\n\n".join(["\n".join(rows), *notes])
+
+
+def _clients(run: RunDir) -> set[str]:
+    """The clients the run's kohya exports were checked with."""
+    found = set()
+    for record in sorted((run.exports / "kohya").glob("*.verify.json")):
+        try:
+            found |= {c["client"] for c in json.loads(record.read_text())["clients"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def settings_rows(
@@ -351,7 +404,8 @@ def model_card(
     out.append(diffusers_usage(family, method, files, repo, base or "<base model>", prompt))
     if not base:
         out += ["", "Put the path of your copy of the base model in place of `<base model>`."]
-    out += ["", "## Use it in ComfyUI or AUTOMATIC1111", "", client_usage(method, files)]
+    title, usage = client_usage(run, family, method, files)
+    out += ["", f"## {title}", "", usage]
     out += ["", "## Training settings", "", "| setting | value |", "| --- | --- |"]
     out += [f"| {k} | {v} |" for k, v in settings_rows(cfg, method, step, images, resized)]
     clips = [(p, url) for p, url in samples if url.endswith(".webp")]

@@ -53,6 +53,8 @@ class ClientCheck:
     """Why this method's result cannot be exact in this client (the check still measures it)."""
     skipped: str = ""
     """Why this client was not checked."""
+    part: str = ""
+    """The model of the denoiser the file is for, where it is several (`Family.denoiser_files`)."""
 
     @property
     def passed(self) -> bool:

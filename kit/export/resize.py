@@ -94,6 +94,7 @@ class ResizeResult:
         for r in self.exports:
             v = r.verification
             check = f"verified, max pixel difference {v.max_abs_diff}" if v else "not verified"
+            check = v.describe() if v and v.untrained else check
             out.append(f"{r.format}: {r.path} ({check})")
         return out
 

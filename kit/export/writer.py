@@ -26,7 +26,7 @@ from kit.families import Family, get_family
 from kit.families.samplers import ImageSpec, draw
 from kit.io import write_json
 from kit.methods import get_method
-from kit.methods.base import Apply, load_lora
+from kit.methods.base import Apply, load_lora, untrained_parts
 from kit.precision import DTYPES
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir, open_run
@@ -51,6 +51,12 @@ class Verification:
     use_in: list[str] = field(default_factory=list)
     """The clients this file is for (those whose loading rules it passed), and where to look
     for the others."""
+    part: str = ""
+    """The model of the denoiser this file is for, where it is several (`denoiser_files`)."""
+    untrained: str = ""
+    """Why this file changes nothing (its adapter is still at its initial value), or ""."""
+    drawn: dict[str, int] = field(default_factory=dict)
+    """The batches each model of a denoiser of several drew in training."""
 
     def describe(self) -> str:
         """One line for the console."""
@@ -60,9 +66,24 @@ class Verification:
                 f"{self.images} image(s) redrawn, max pixel difference {self.max_abs_diff}"
             )
         if self.clients:
-            exact = [c["client"] for c in self.clients if c["exact"]]
+            exact = [_named(c) for c in self.clients if c["exact"]]
             parts.append(f"exact in {', '.join(exact) or 'no client'}")
-        return "verified: " + ("; ".join(parts) or "nothing checked")
+        checked = "; ".join(parts) or "nothing checked"
+        if self.untrained:
+            return f"UNTRAINED: {self.untrained}; checked: {checked}"
+        return "verified: " + checked
+
+    def for_file(self, part: str, family: Family, fmt: str, formats: tuple[str, ...]):
+        """This verification as one file's record: only its own model's client checks, the
+        clients it is for, and whether it is untrained."""
+        clients = [c for c in self.clients if c.get("part", "") == part] if part else self.clients
+        v = replace(self, clients=clients, part=part)
+        v.use_in = use_in(fmt, v, formats, family)
+        return v
+
+
+def _named(check: dict[str, Any]) -> str:
+    return f"{check['client']} ({check['part']})" if check.get("part") else check["client"]
 
 
 @dataclass
@@ -76,6 +97,8 @@ class ExportResult:
     files: dict[str, Path] = field(default_factory=dict)
     """Each file by its part where the denoiser is several models (`Family.denoiser_files`):
     one file per model, `path` the first; empty for one file."""
+    verifications: dict[str, Verification] = field(default_factory=dict)
+    """Each of those files' own record (its verify.json): its model's checks, its clients."""
 
 
 def formats_for(cfg: Config, family: Family) -> tuple[str, ...]:
@@ -109,7 +132,8 @@ def export(
     source = Path(checkpoint) if checkpoint else ckpt.resolve_resume(run.root, "latest")
     if source is None:
         raise KitError(f"{run.root} has no complete checkpoint to export")
-    step = json.loads((source / "progress.json").read_text())["step"]
+    progress = json.loads((source / "progress.json").read_text())
+    step = progress["step"]
     weights = {k: v.to(DTYPES[dtype]) for k, v in ckpt.exported_weights(source).items()}
     meta = shared_metadata(run, cfg, family, method, step)
     out = Path(out_dir) if out_dir else run.exports / fmt
@@ -118,7 +142,9 @@ def export(
     # whole-model formats hold them all).
     parts = family.denoiser_files(weights) if method.low_rank else {"": weights}
     written = {
-        part: method.write_export(fmt, w, {**meta, "kit.expert": part}, step, out, part)
+        part: method.write_export(
+            fmt, w, {**meta, "kit.expert": part, **family.part_metadata(part)}, step, out, part
+        )
         if part
         else method.write_export(fmt, w, meta, step, out)
         for part, w in parts.items()
@@ -129,6 +155,12 @@ def export(
         applies = [(a, p) for p, a in written.values()]
         apply = None if any(a is None for a, _ in applies) else _apply_all(applies)
     verification = None
+    reports = [
+        Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json"))
+        for file, _ in written.values()
+    ]
+    for report in reports if not verify else []:
+        report.unlink(missing_ok=True)  # an earlier export's record is not this file's
     if verify:
         verification = (
             verify_export(run, path, step, tolerance=tolerance, apply=apply)
@@ -151,21 +183,23 @@ def export(
                     f"nothing can check {family.name}'s kohya files: no client is modelled"
                 )
             verification.notes += [
-                f"{c.client}: {c.known_gap or c.skipped}"
+                f"{c.client}{f' ({c.part})' if c.part else ''}: {c.known_gap or c.skipped}"
                 for c in checks
                 if c.known_gap or c.skipped
             ]
-        verification.use_in = use_in(fmt, verification, method.export_formats())
-        reports = [
-            Path(f"{file}.verify.json" if file.is_dir() else file.with_suffix(".verify.json"))
-            for file, _ in written.values()
-        ]
-        for report in reports:
-            write_json(report, verification.__dict__)
+        verification.drawn = dict(progress.get("drawn") or {})
+        untrained = untrained_parts(method, family, weights)
+        files_of = {part: verification.for_file(part, family, fmt, allowed) for part in written}
+        for part in untrained:
+            files_of[part].untrained = _untrained(part, verification.drawn, step)
+        verification.use_in = use_in(fmt, verification, allowed, family)
+        verification.untrained = "; ".join(files_of[p].untrained for p in untrained)
+        for part, report in zip(written, reports, strict=True):
+            write_json(report, files_of[part].__dict__)
         if not verification.passed:
             failing = [c for c in verification.clients if not c["passed"]]
             what = (
-                f"{path} does not load right in {', '.join(c['client'] for c in failing)}: "
+                f"{path} does not load right in {', '.join(_named(c) for c in failing)}: "
                 + "; ".join(_failure(c) for c in failing)
                 if failing
                 else f"{path} does not reproduce the kit's images (max pixel difference "
@@ -178,7 +212,16 @@ def export(
             raise KitError(
                 f"{what}; the export is not trustworthy: moved to {', '.join(map(str, moved))}"
             )
-    return ExportResult(fmt, path, step, verification, files)
+    per_file = {part: files_of[part] for part in files} if verify else {}
+    return ExportResult(fmt, path, step, verification, files, per_file)
+
+
+def _untrained(part: str, drawn: dict[str, int], step: int) -> str:
+    """Why file `part` changes nothing, for its record and the console."""
+    what = f"the {part} adapter" if part else "the adapter"
+    steps = f"{step} step{'s' if step != 1 else ''}"
+    batches = f"; it drew {drawn.get(part, 0)} batches in {steps}" if drawn else ""
+    return f"{what} is still at its initial value at step {step}, so it changes nothing{batches}"
 
 
 def _apply_all(applies: list[tuple[Apply, Path]]) -> Apply:
@@ -192,20 +235,34 @@ def _apply_all(applies: list[tuple[Apply, Path]]) -> Apply:
     return apply
 
 
-def use_in(fmt: str, v: Verification, formats: tuple[str, ...]) -> list[str]:
+def use_in(
+    fmt: str, v: Verification, formats: tuple[str, ...], family: Family | None = None
+) -> list[str]:
     """Which clients a file of `fmt` is for, as the console, verify.json and the card say:
-    the clients whose rules it passed (kohya), diffusers for its own format, and the kohya
-    file pointed to for the clients that read none of a diffusers file's names."""
+    the clients whose rules it passed (kohya), each with the release its support starts at
+    and the model the file goes on; diffusers for its own format, with the loader's arguments
+    for that model; and the kohya file pointed to for the clients that read none of a
+    diffusers file's names. Without `family`, clients are named plainly."""
+    label = family.client_label if family else str
+    title = family.part_title if family else str
     if fmt == "kohya":
-        return [c["client"] for c in v.clients if c["passed"]] or ["no client checked"]
+        return [
+            label(c["client"]) + (f" on {title(c['part'])}" if c.get("part") else "")
+            for c in v.clients
+            if c["passed"]
+        ] or ["no client checked"]
     if fmt == "diffusers":
+        kwargs = family.lora_load_kwargs(v.part) if family else {}
+        extra = "".join(f", {k}={val}" for k, val in kwargs.items())
+        load = f"pipe.load_lora_weights(file{extra})" if extra else "pipe.load_lora_weights"
+        on = f" into {title(v.part)}" if v.part else ""
         rest = [
-            "ComfyUI, A1111 and Forge: use the kohya file"
+            "other clients: use the kohya file"
             if "kohya" in formats
             else "ComfyUI, A1111 and Forge: no file of this run loads there exactly (they read "
             "none of this file's names, or skip what it trained)"
         ]
-        return ["diffusers (pipe.load_lora_weights)", *rest]
+        return [f"diffusers ({load}){on}", *rest]
     return [f"{fmt} clients"]
 
 
@@ -225,10 +282,10 @@ def reject(run: RunDir, fmt: str, path: Path, report: Path) -> Path:
 
 def _failure(check: dict[str, Any]) -> str:
     if check["unconsumed"]:
-        return f"{check['client']} reads no {check['unconsumed'][0]}"
+        return f"{_named(check)} reads no {check['unconsumed'][0]}"
     if check["missed"]:
-        return f"{check['client']} leaves {check['missed'][0]} unchanged"
-    return f"{check['client']} is off by {check['max_relative_error']:.2g} (relative)"
+        return f"{_named(check)} leaves {check['missed'][0]} unchanged"
+    return f"{_named(check)} is off by {check['max_relative_error']:.2g} (relative)"
 
 
 def check_clients(
@@ -243,7 +300,7 @@ def check_clients(
     base = replace(base, denoiser=family.denoiser_part(base.denoiser, part))
     checks = check_file(load_file(str(path)), metadata, family, method, base, trained)
     for c in checks:
-        c.client = f"{c.client} ({part})" if part else c.client
+        c.part = part
     return checks
 
 

@@ -26,6 +26,24 @@ class FamilyExports:
     lora_layers_kwarg: str
     kohya_prefix: str
 
+    client_versions: dict[str, str] = {}
+    """Client → its first release that loads this family's files, where older ones do not
+    (measured; each family keeps it beside its key layout)."""
+    client_title: str = ""
+    """The model's name beside such a release: `ComfyUI ≥ 0.8 (Z-Image)`."""
+    part_titles: dict[str, str] = {}
+    """How prose names the model each file part (`denoiser_files`) is loaded on."""
+
+    def client_label(self, client: str) -> str:
+        """A client as a file's `use_in` and the model card name it: with the release its
+        support of this family starts at, where one is known."""
+        since = self.client_versions.get(client)
+        return f"{client} ≥ {since} ({self.client_title or self.name})" if since else client
+
+    def part_title(self, part: str) -> str:
+        """The model that file `part` of `denoiser_files` is loaded on, for prose."""
+        return self.part_titles.get(part, part)
+
     # ------------------------------------------------------------ export
 
     def save_diffusers_lora(
@@ -57,6 +75,11 @@ class FamilyExports:
     def denoiser_files(self, state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
         """Adapter weights by exported file: a name part → its weights, named as for one model."""
         return {"": state}
+
+    def part_metadata(self, part: str) -> dict[str, str]:
+        """Metadata that file `part` (of `denoiser_files`) carries beside the run's: what
+        tells it from the other parts' files; none for a denoiser of one model."""
+        return {}
 
     def denoiser_part(self, denoiser: nn.Module, part: str) -> nn.Module:
         """The model within the denoiser that file `part` (of `denoiser_files`) adapts."""

@@ -20,6 +20,9 @@ class NoiseDraw:
     target: torch.Tensor
     weight: torch.Tensor | None = None
     """Per-sample loss weight (e.g. a flow-matching density correction); None means 1."""
+    part: str = ""
+    """The exported file (`Family.denoiser_files`) whose model this draw trains, where the
+    denoiser is several and a draw trains one (a Wan 2.2 expert); "" trains them all."""
 
 
 def flow_sampling(sampling: str, loss_weighting: str) -> str:

@@ -18,8 +18,10 @@ import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kit.config.model import DEFAULT_BASES
 from kit.errors import ConfigError, KitError, did_you_mean
 from kit.families.facts import FamilyFacts, FamilyInfo
+from kit.families.shipped import ARCHITECTURES, SHIPPED
 
 if TYPE_CHECKING:
     from kit.config import Config
@@ -44,6 +46,8 @@ def _discover() -> dict[str, FamilyInfo]:
 
 FAMILIES: dict[str, FamilyInfo] = _discover()
 """This package's families, found from their folders; each class repeats these facts."""
+
+DEFAULT_BASES.update({name: info.hub_id for name, info in FAMILIES.items()})
 
 CHECKED = ("bucket_step", "native_resolution", "hub_id", "video")
 """The facts `register` compares between a class and its entry in `FAMILIES`."""
@@ -79,6 +83,7 @@ def register(cls: type[Family]) -> type[Family]:
                     f"but {getattr(info, key)!r} in {__name__}.FAMILIES; make them agree"
                 )
     _CLASSES[cls.name] = cls
+    DEFAULT_BASES.setdefault(cls.name, cls.hub_id)
     return cls
 
 
@@ -122,5 +127,27 @@ def family_class(name: str) -> type[Family]:
 
 
 def get_family(name: str, cfg: Config | None = None) -> Family:
-    """The family registered as `name`, set up with the run's config (defaults when None)."""
-    return family_class(name)(cfg)
+    """The family registered as `name`, set up with the run's config (defaults when None) as
+    a config of `name`: an empty `pretrained_model`, or one left at another family's default,
+    is this family's own base; a base the kit knows as another family's is refused."""
+    cls = family_class(name)
+    if cfg is not None and cfg.model.model_family != name:
+        cfg = cfg.replace(model_family=name)  # a base left at the other family's follows
+    if cfg is not None and not cfg.model.pretrained_model:
+        cfg = cfg.replace(pretrained_model=cls.hub_id)
+    if cfg is not None:
+        check_base(name, cfg.model.pretrained_model, cfg.model.model_config)
+    return cls(cfg)
+
+
+def check_base(name: str, pretrained: str, model_config: str = "") -> None:
+    """Refuse a base (or `model_config`) that the kit ships as another family's model."""
+    for key, value in (("pretrained_model", pretrained), ("model_config", model_config)):
+        arch = ARCHITECTURES.get(SHIPPED.get(value, ""))
+        if arch is not None and arch.family != name:
+            own = FAMILIES[name].hub_id if name in FAMILIES else _CLASSES[name].hub_id
+            raise ConfigError(
+                f"{key}: {value} is a {arch.family} model ({arch.title}), but model_family is "
+                f"{name}; set model_family: {arch.family}, or {key} to a {name} base such as "
+                f"{own}"
+            )

@@ -401,6 +401,7 @@ class Lora(Adapter):
     dora = False
     text_adapters = True
     rank_bounded = True
+    zero_factors = ("lora_A", "lora_B")  # peft starts lora_B at zero
 
     def peft_config(self, targets, alpha):
         from peft import LoraConfig
@@ -521,6 +522,7 @@ class LoHa(Lycoris):
     name = "loha"
     title = "LoHa"
     own_keys = ("module_dropout",)
+    zero_factors = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")  # peft: w2_b at zero
 
     def peft_config(self, targets, alpha):
         from peft import LoHaConfig
@@ -538,6 +540,7 @@ class LoKr(Lycoris):
     name = "lokr"
     title = "LoKr"
     own_keys = ("module_dropout", "lokr_factor", "lokr_decompose_both")
+    zero_factors = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
 
     def peft_config(self, targets, alpha):
         from peft import LoKrConfig

@@ -73,6 +73,9 @@ class Method:
     own_keys: tuple[str, ...] = ()
     """Network keys only this method (and the others that list them) reads: set away from
     their defaults on another method, they are refused (`get_method`), never ignored."""
+    zero_factors: tuple[str, ...] = ()
+    """Names of the update's factors (weight-name parts) that start at zero: while any of a
+    module's is still all zero, its update is zero and the module unchanged (`untrained`)."""
 
     switchable = False
     """What trains is an adapter beside the frozen base that can be switched off
@@ -82,6 +85,17 @@ class Method:
     def __init__(self, cfg: Config, family: Family) -> None:
         self.cfg = cfg
         self.family = family
+
+    def untrained(self, weights: dict[str, torch.Tensor]) -> bool:
+        """Whether these trained weights (one file's) still change nothing: every adapted
+        module keeps a factor that starts at zero all zero, as before its first step."""
+        zero: dict[str, bool] = {}
+        for key, value in weights.items():
+            for factor in self.zero_factors:
+                head, sep, _ = f"{key}.".partition(f".{factor}.")
+                if sep:
+                    zero[head] = zero.get(head, False) or not bool(value.any())
+        return bool(zero) and all(zero.values())
 
     # ------------------------------------------------------------ which families
 
@@ -173,6 +187,13 @@ class Method:
     ) -> tuple[Path, Apply]:
         """Write checkpoint `weights` in `fmt` under `out`: the path, and how a client applies it."""
         raise NotImplementedError
+
+
+def untrained_parts(method: Method, family: Family, weights: dict[str, torch.Tensor]) -> list[str]:
+    """The exported files (`Family.denoiser_files` parts, "" for one file) whose trained weights
+    still change nothing (`Method.untrained`): an expert no step drew, an adapter never stepped."""
+    parts = family.denoiser_files(weights) if method.low_rank else {"": weights}
+    return [part for part, w in parts.items() if method.untrained(w)]
 
 
 def freeze_all(modules: list[nn.Module] | Any) -> None:

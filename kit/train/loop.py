@@ -21,7 +21,9 @@ from kit.errors import KitError
 from kit.optim import eval_weights, final_weights
 from kit.report.archive import write_archive
 from kit.report.doctor import write_report
+from kit.report.doctor.training import untrained_findings
 from kit.report.plots import plot_metrics
+from kit.run.checkpoint import exported_weights
 from kit.run.lock import hold_run, lead_process
 from kit.train.accel import is_fsdp
 from kit.train.evaluate import fixed_losses, validate
@@ -133,6 +135,8 @@ def fit(s: TrainState) -> TrainResult:
                 )
     s.result.step = s.step
     if s.main:
+        with contextlib.suppress(Exception):  # a finished run never fails on its warning
+            _warn_untrained(s)  # after the progress bar's last line
         with timer.phase("plot"):
             plot_metrics(s.run.read_metrics(), s.run.loss_plot)
         spent = timer.summary(("final_sample", "doctor", "archive", "plot"))
@@ -196,6 +200,16 @@ def end_of_step(
                 grid = validate(s, s.step)
             s.result.validation_grids.append(grid)
             log_grid(s.accelerator, s.step, grid)  # to the tracker too, where it takes images
+
+
+def _warn_untrained(s: TrainState) -> None:
+    """Say so where a trained part (an expert no batch drew) ends at its initial value, and
+    how many batches each part of a denoiser of several drew."""
+    if not s.method.zero_factors or s.result.checkpoint is None:
+        return
+    weights = exported_weights(s.result.checkpoint)
+    for f in untrained_findings(s.family, s.method, weights, s.drawn, s.step):
+        s.accelerator.print(f"{f.severity}: {f.title} ({'; '.join(f.evidence)})")
 
 
 def _report_warmup(s: TrainState, row: dict[str, Any] | None) -> None:

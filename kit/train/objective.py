@@ -20,6 +20,7 @@ def denoising_loss(
     generator: torch.Generator,
     device: torch.device | str,
     reg: Any = None,
+    drawn: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The per-element loss (`loss_type`) between the denoiser's output and the family's
     target, averaged per sample, then weighted per sample (min-SNR, flow weighting, and the
@@ -32,7 +33,8 @@ def denoising_loss(
 
     `reg` (`kit.train.preserve.Preserver`) makes the predictions and targets when the run
     preserves the base's output or trains samples toward the base's prediction; its
-    per-sample preservation loss joins each sample's (weighted like it by the timestep)."""
+    per-sample preservation loss joins each sample's (weighted like it by the timestep).
+    `drawn` counts the batches each part of a denoiser of several drew (`NoiseDraw.part`)."""
     o = family.cfg.objective
     batch = {k: v.to(device) for k, v in batch.items()}
     latents = batch.pop("latents")
@@ -40,6 +42,8 @@ def denoising_loss(
     sample_weight = batch.pop("loss_weight", None)
     extras = {k: batch.pop(k) for k in list(batch) if k.startswith(("preserve.", "base_target"))}
     draw = family.noise_and_target(comps, latents, generator)
+    if drawn is not None and draw.part:
+        drawn[draw.part] = drawn.get(draw.part, 0) + 1
     extra = None
     if reg is None:
         pred, target = family.predict(comps, draw.noisy, draw.timesteps, batch), draw.target

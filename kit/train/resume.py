@@ -163,6 +163,7 @@ def restore(s: TrainState, checkpoint: Path) -> None:
     if scaler is not None and "scaler" in state["extras"]:
         scaler.load_state_dict(state["extras"]["scaler"])
     s.step, s.epoch, s.position = (state["progress"][k] for k in ("step", "epoch", "position"))
+    s.drawn = dict(state["progress"].get("drawn", {}))
     s.cursor = (s.epoch, s.position)
     if s.main:
         truncate_metrics(s.run, s.step)

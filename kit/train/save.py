@@ -72,6 +72,7 @@ def write_checkpoint(
         "position": position,
         "cpu_threads": torch.get_num_threads(),  # a resume keeps it (kit.run.threads)
         "precision": s.precision,  # used, not asked for: the export check reads it
+        "drawn": dict(s.drawn),  # batches per expert: the doctor and the export report them
         **fingerprint(s.cfg, s.data, s.comps.identity),
     }
     extras: dict[str, Any] = {}

@@ -107,6 +107,8 @@ class TrainState:
     """The next batch of this epoch (every process's share counted)."""
     cursor: tuple[int, int] = (0, 0)
     """(epoch, position) of the last finished optimizer step: where a resume starts reading."""
+    drawn: dict[str, int] = field(default_factory=dict)
+    """Batches each part of a denoiser of several drew (a Wan 2.2 expert: `NoiseDraw.part`)."""
 
     @property
     def device(self) -> torch.device:

@@ -71,7 +71,7 @@ def micro_step(
                     ] if kept else []  # fmt: skip
                     s.regular.add_live_text(s.family, s.comps, batch, text, texts)
                 batch.update(text)
-            loss = denoising_loss(s.family, s.comps, batch, generator, s.device, s.regular)
+            loss = denoising_loss(s.family, s.comps, batch, generator, s.device, s.regular, s.drawn)
         acc.backward(loss)
         grad_norm = None
         if acc.sync_gradients:

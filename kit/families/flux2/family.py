@@ -313,6 +313,12 @@ class Flux2(Family):
             "modelspec.architecture": "flux-2-" + variant.replace(" ", "-").lower(),
         }
 
+    def client_label(self, client):
+        klein = "klein" in self.variant_of(self.cfg.model.pretrained_model)
+        since = flux2_layout.COMFYUI_SINCE["klein" if klein else "dev"]
+        title = "FLUX.2 klein" if klein else "FLUX.2"
+        return f"{client} ≥ {since} ({title})" if client == "ComfyUI" else client
+
     def train_guidance_scale(self) -> float:
         """The guidance fed to a guidance-embedding model in training: configured, else 4.0."""
         configured = self.cfg.objective.train_guidance_scale

@@ -41,6 +41,11 @@ import torch
 
 from kit.errors import KitError
 
+COMFYUI_SINCE = {"dev": "0.8", "klein": "0.12"}
+"""The first ComfyUI release that loads each FLUX.2 model and its LoRA files (measured): v0.3.64
+has no FLUX.2; v0.8.0 builds the transformer with 48 heads hard-coded, dev's, so it cannot
+build klein; v0.12.1 loads every file the kit writes."""
+
 KOHYA_PREFIX = "lora_unet"
 """sd-scripts' key prefix, which ComfyUI accepts for every weight of its model."""
 LYCORIS_PREFIX = "lora"

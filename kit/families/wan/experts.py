@@ -63,6 +63,11 @@ PIPELINE_NAMES = {"high": "transformer", "low": "transformer_2"}
 FILE_SUFFIX = {"high": "high_noise", "low": "low_noise"}
 """What an exported file's name (and its `kit.expert` metadata) carries for its expert."""
 EXPERT_OF_FILE = {v: k for k, v in FILE_SUFFIX.items()}
+PART_TITLES = {
+    "high_noise": "the high-noise expert (diffusers' `transformer`, ComfyUI's high_noise model)",
+    "low_noise": "the low-noise expert (diffusers' `transformer_2`, ComfyUI's low_noise model)",
+}
+"""How prose names the model each expert's file is loaded on."""
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,16 @@ def split_state(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
             raise KitError(f"'{key}': not a weight of either Wan 2.2 expert")
         out.setdefault(head, {})[rest] = value
     return out
+
+
+def timestep_range(info: ExpertsInfo | None, name: str) -> dict[str, str]:
+    """The metadata naming the timesteps expert `name`'s file denoises: ModelSpec's
+    `modelspec.timestep_range` ("min,max" of the 1000 training timesteps, as musubi-tuner
+    writes it for a run limited to some); {} for a base with one transformer."""
+    if info is None:
+        return {}
+    boundary = round(info.boundary_ratio * 1000)
+    return {"modelspec.timestep_range": f"{boundary},1000" if name == "high" else f"0,{boundary}"}
 
 
 def make_tiny_experts(

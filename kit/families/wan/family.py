@@ -1,5 +1,4 @@
 """Wan 2.1 text-to-video: WanTransformer3DModel, AutoencoderKLWan, UMT5 text encoder, flow matching.
-
 Samples are clips (3, F, H, W). The VAE compresses 8x in space and 4x in time after the first
 frame, so a clip has 4k+1 frames; the transformer patches latents by (1, 2, 2).
 """
@@ -32,6 +31,7 @@ from kit.families.wan.experts import (
     EXPERT_OF_FILE,
     EXPERTS,
     FILE_SUFFIX,
+    PART_TITLES,
     PIPELINE_NAMES,
     WanExperts,
     accept_for,
@@ -39,6 +39,7 @@ from kit.families.wan.experts import (
     read_experts,
     read_index,
     split_state,
+    timestep_range,
     trained_experts,
 )
 
@@ -66,6 +67,7 @@ class Wan(Family):
     # ComfyUI reads Wan LoRA only under the original module names (`blocks.0.self_attn.q`), as
     # musubi-tuner writes them: the kohya file; diffusers reads the diffusers one.
     export_formats = ("diffusers", "kohya")
+    part_titles = PART_TITLES
     quantized_text_encoders = ("text_encoder",)  # UMT5-XXL, a T5
     base_model_version = "wan2.1"
     modelspec_architecture = "wan2.1"  # musubi-tuner's value
@@ -146,6 +148,14 @@ class Wan(Family):
         if read_experts(source) is not None:
             return self.variants[1 + i2v]
         return self.variants[2] if index.get("expand_timesteps") else self.variants[i2v]
+
+    def version_metadata(self):
+        variant = self.variant_of(self.cfg.model.pretrained_model)
+        return {**super().version_metadata(), **wan_layout.RELEASES.get(variant, {})}
+
+    def part_metadata(self, part):
+        source = self.model_source(self.cfg.model.pretrained_model)
+        return timestep_range(read_experts(source), EXPERT_OF_FILE[part]) if part else {}
 
     def experts(self, source: str) -> tuple[str, ...]:
         """The Wan 2.2 experts a run on base `source` trains (`train_experts`), () for a base
@@ -330,6 +340,7 @@ class Wan(Family):
         )
         if o.loss_weighting != "none":
             draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
+        draw.part = FILE_SUFFIX[name]
         return draw
 
     def pixel_conditioning(self, comps, pixels):

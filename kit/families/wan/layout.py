@@ -30,6 +30,27 @@ import torch
 from kit.errors import KitError
 from kit.families import adapter_keys
 
+WAN22 = "https://github.com/Wan-Video/Wan2.2"
+
+
+def _release(version: str, architecture: str) -> dict[str, str]:
+    return {
+        "ss_base_model_version": version,
+        "modelspec.architecture": architecture,
+        "modelspec.implementation": WAN22,
+    }
+
+
+RELEASES = {
+    "Wan 2.2 T2V A14B (two experts)": _release("wan_2.2_14b", "wan2.2-t2v-a14b"),
+    "Wan 2.2 I2V A14B (two experts)": _release("wan_2.2_14b", "wan2.2-i2v-a14b"),
+    "Wan 2.2 TI2V 5B": _release("wan_2.2_5b", "wan2.2-ti2v-5b"),
+}
+"""The version metadata of each Wan 2.2 variant (Wan 2.1 keeps musubi-tuner's `wan2.1`). The
+`ss_base_model_version` values are ai-toolkit's for the same releases (`wan_2.2_14b` for A14B,
+T2V and I2V alike, `wan_2.2_5b`); musubi-tuner writes `wan2.1` for every Wan, which tells a LoRA
+browser nothing about 2.2."""
+
 
 def _block_table() -> dict[str, str]:
     """Module paths (or bare parameters) inside one block: diffusers → original."""

@@ -124,6 +124,8 @@ class ZImage(Family):
     modelspec_architecture = "z-image-turbo"
     modelspec_implementation = "https://github.com/Tongyi-MAI/Z-Image"
     export_formats = ("diffusers", "kohya")
+    client_versions = {"ComfyUI": zimage_layout.COMFYUI_SINCE}
+    client_title = "Z-Image"
     variants = (TURBO, BASE)
 
     def __init__(self, cfg: Config | None = None) -> None:

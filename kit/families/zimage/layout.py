@@ -32,6 +32,10 @@ import torch
 
 from kit.errors import KitError
 
+COMFYUI_SINCE = "0.8"
+"""The first ComfyUI release that loads Z-Image and its LoRA files: v0.3.64 has no Z-Image;
+v0.8.0 and v0.12.1 load every file the kit writes (measured)."""
+
 LORA_PREFIX = "diffusion_model."
 """Key prefix of the kit's Z-Image LoRA / LyCORIS files, followed by the diffusers module path.
 

@@ -4,6 +4,7 @@ a resume that lost state, memory that keeps rising."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import statistics
@@ -13,13 +14,18 @@ from typing import Any
 
 import torch
 
+from kit.families import Family, get_family
+from kit.methods import get_method
+from kit.methods.base import Method, untrained_parts
 from kit.report.doctor.data import data_facts
 from kit.report.doctor.findings import Finding
 from kit.report.doctor.run import RunRecord, finite, fmt_steps
 from kit.run.checkpoint import (
     OPTIMIZER_FILE,
+    PROGRESS_FILE,
     SCHEDULER_FILE,
     STATE_FILES,
+    exported_weights,
     sharded_by,
 )
 
@@ -297,5 +303,52 @@ def memory_rising(run: RunRecord) -> Iterator[Finding]:
         )
 
 
-CHECKS = (nonfinite_loss, run_stopped, loss_trend, resume_jump, memory_rising)
+def untrained(run: RunRecord) -> Iterator[Finding]:
+    """A trained part still at its initial value (an expert no batch drew): its exported file
+    changes nothing. Where the denoiser is several models, how many batches each drew."""
+    if run.config is None or not run.checkpoints:
+        return
+    step = max(run.checkpoints)
+    path = run.checkpoints[step]
+    try:
+        drawn = json.loads((path / PROGRESS_FILE).read_text()).get("drawn") or {}
+    except (OSError, ValueError, AttributeError):
+        drawn = {}
+    family = get_family(run.config.model.model_family, run.config)
+    method = get_method(run.config, family)
+    if method.zero_factors:  # else nothing tells an untrained update (and the file is large)
+        yield from untrained_findings(family, method, exported_weights(path), drawn, step)
+
+
+def untrained_findings(
+    family: Family, method: Method, weights: dict[str, Any], drawn: dict[str, int], step: int
+) -> list[Finding]:
+    """What `untrained` says of a checkpoint's weights at `step` and the batches each part drew
+    (`drawn`: part → batches); the end of training prints the same."""
+    parts = family.denoiser_files(weights) if method.low_rank else {"": weights}
+    counts = (
+        ["batches each part drew: " + ", ".join(f"{p} {drawn.get(p, 0)}" for p in parts if p)]
+        if drawn
+        else []
+    )
+    found = [
+        Finding(
+            "untrained_part",
+            "warning",
+            f"the {part + ' ' if part else ''}adapter is still at its initial value at step "
+            f"{step}: its exported file changes nothing",
+            [*counts, "every module keeps an update factor that starts at zero all zero"],
+            "train more steps (each batch trains one expert, the one its timestep falls on), "
+            "or train the one that drew none alone (train_experts)"
+            if part
+            else "check the learning rate and that the trained modules get gradients",
+        )
+        for part in untrained_parts(method, family, weights)
+    ]
+    if counts and not found:
+        found.append(Finding("parts_drawn", "info", counts[0], [f"at step {step}"], ""))
+    return found
+
+
+CHECKS = (nonfinite_loss, run_stopped, loss_trend, resume_jump, memory_rising, untrained)
 """This module's checks, in report order."""
