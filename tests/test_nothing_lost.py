@@ -5,12 +5,103 @@ read from the config's folder, and damaged saved state is refused or rebuilt, ne
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
 
+from kit.cli import main
 from kit.config import SECTIONS, load_config
+from kit.run.folder import RunDir
+
+
+def hashes(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (its path relative to it) and the SHA-256 of its bytes."""
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def refused(capsys, *argv) -> str:
+    """Run `kit ARGV`, expecting one line of refusal and no traceback; return it."""
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("kit: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ------------------------------------------------------------------ the run folder
+
+
+def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp_path):
+    project = tmp_path / "project"
+    run = RunDir(project)
+    cfg = make_config(output_dir=str(project), max_train_steps=2, checkpointing_steps=0)
+    assert main(["train", str(cfg)]) == 0
+    assert main(["export", str(project)]) == 0
+    capsys.readouterr()
+    old_kit_files = set(hashes(project))
+    # What the user puts into the folders the run made: notes, favourite grids, a file beside
+    # an export and inside a grid's folder.
+    grid = next(run.validation_step(2).glob("*.png"))
+    mine = {
+        "exports/my-notes.txt": b"which export I liked",
+        "logs/my-log.txt": b"my own log",
+        "validation/my_picks/favourite.png": grid.read_bytes(),
+        "validation/step-000002/keep-this.txt": b"a note beside the grid",
+        "checkpoints/README.txt": b"mine",
+    }
+    for rel, data in mine.items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_bytes(data)
+    (project / "validation" / "empty-of-mine").mkdir()
+    before = hashes(project)
+    assert main(["train", str(cfg), "--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert "kept 5 of yours" in out  # told, not silent
+    after = hashes(project)
+    for rel in mine:
+        assert after.get(rel) == before[rel], rel  # every file of the user's, byte for byte
+    assert (project / "validation" / "empty-of-mine").is_dir()
+    # Nothing of the earlier run is left but what the new one wrote again.
+    written = {
+        json.loads(line) for line in (project / "written.jsonl").read_text().splitlines()[1:]
+    }
+    assert set(after) - set(mine) <= written | {
+        "run_files.json",
+        "written.jsonl",
+        "config.json",
+        "dataset_manifest.json",
+    }
+    assert not any(p.startswith("exports/") for p in set(after) - set(mine))
+    assert len(run.read_metrics()) == len([r for r in run.read_metrics() if r["step"] <= 2])
+    assert old_kit_files  # the earlier run wrote files, and they were there to remove
+
+
+def test_a_folder_holding_the_users_files_of_a_runs_names_is_refused(
+    capsys, make_config, tmp_path, monkeypatch
+):
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("loss.png", "archive.json", "doctor.json"):
+        (project / name).write_bytes(b"the user's own " + name.encode())
+    cfg = make_config("project/config.json", output_dir=".")  # the config's own folder
+    (project / "config.json").rename(project / "my-config.json")  # no config.json of the run's
+    cfg = project / "my-config.json"
+    monkeypatch.chdir(tmp_path)
+    for name in ("loss.png", "archive.json", "doctor.json"):
+        before = hashes(project)
+        err = refused(capsys, "train", cfg)
+        assert f"{project / name}" in err and "output_dir" in err, err
+        assert hashes(project) == before  # nothing written, nothing changed
+        (project / name).rename(project / f"{name}.kept")
+
 
 # ------------------------------------------------------------------ config paths
 

@@ -17,6 +17,7 @@ from kit.io import write_text
 from kit.optim import train_weights
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
+from kit.run.owned import refuse_foreign_files
 from kit.train.accel import is_fsdp, load_fsdp, load_sharded
 from kit.train.state import TrainState
 
@@ -196,6 +197,7 @@ def check_output_dir(cfg: Config) -> None:
     if out.exists() and not out.is_dir():
         raise KitError(f"output_dir: {given} is a file, not a folder; choose a folder for the run")
     run = RunDir(out)
+    refuse_foreign_files(run)
     if run.config.is_file() and not run.manifest.is_file():
         raise KitError(
             f"output_dir: {given} holds a {run.config.name} that no run wrote (no "
