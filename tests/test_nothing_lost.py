@@ -212,3 +212,69 @@ def test_a_missing_relative_file_is_looked_for_beside_the_config(key, tmp_path, 
     monkeypatch.chdir(tmp_path)
     got = getattr(load_config(path).model, key)
     assert got == str(tmp_path / "project" / "models" / "missing.safetensors")
+
+
+# ------------------------------------------------------------------ damaged state on resume
+
+
+@pytest.fixture()
+def finished_run(make_config, tmp_path, capsys):
+    """A run of two steps and its one checkpoint (at the end)."""
+    cfg = make_config(max_train_steps=2, checkpointing_steps=0)
+    assert main(["train", str(cfg)]) == 0
+    capsys.readouterr()
+    run = RunDir(tmp_path / "run")
+    return cfg, run.checkpoint(2)
+
+
+DAMAGES = [
+    ("position", 10**9),  # past the end of any epoch
+    ("position", -5),
+    ("position", [1, 2]),  # not a position at all
+    ("epoch", -5),
+    ("epoch", "1"),
+    ("epoch", 10**6),  # more epochs than batches trained
+    ("epoch", None),  # missing: was `unexpected KeyError: 'epoch'`
+    ("step", 7),  # another step than the checkpoint's
+]
+
+
+LOGS = ("logs", "written.jsonl")
+
+
+def test_a_damaged_saved_position_is_refused_naming_checkpoint_and_key(finished_run, capsys):
+    cfg, checkpoint = finished_run
+    progress = checkpoint / "progress.json"
+    good = json.loads(progress.read_text())
+    for key, value in DAMAGES:
+        saved = dict(good)
+        if value is None:
+            del saved[key]
+        else:
+            saved[key] = value
+        progress.write_text(json.dumps(saved))
+        before = hashes(checkpoint.parent.parent)
+        err = refused(capsys, "train", cfg, "--resume", "latest")
+        assert str(checkpoint) in err and f"'{key}'" in err, (key, value, err)
+        assert "KeyError" not in err
+        # Nothing is written but the error log (and its line in the ledger).
+        kept = lambda h: {k: v for k, v in h.items() if k.split("/")[0] not in LOGS}  # noqa: E731
+        assert kept(hashes(checkpoint.parent.parent)) == kept(before)
+
+
+def test_captions_edited_since_the_checkpoint_are_named_and_the_user_chooses(
+    finished_run, dataset, capsys
+):
+    cfg, checkpoint = finished_run
+    edited = sorted(dataset.glob("*.txt"))[:2]
+    for f in edited:
+        f.write_text(f.read_text().strip() + ", edited\n")
+    err = refused(capsys, "train", cfg, "--resume", "latest", "-s", "max_train_steps=3")
+    assert all(f.stem in err for f in edited), err
+    assert "captions" in err and "--force" in err and "--overwrite" in err
+    # Resuming on the new captions is the user's choice; they are named again as it does.
+    args = ["train", str(cfg), "--resume", "latest", "--force", "-s", "max_train_steps=3"]
+    assert main(args) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    assert len(warned) == 1 and "captions" in warned[0], warned
+    assert all(f.stem in warned[0] for f in edited)
