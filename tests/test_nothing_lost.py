@@ -46,6 +46,8 @@ def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp
     assert main(["train", str(cfg)]) == 0
     assert main(["export", str(project)]) == 0
     capsys.readouterr()
+    before = hashes(project)
+    capsys.readouterr()
     old_kit_files = set(hashes(project))
     # What the user puts into the folders the run made: notes, favourite grids, a file beside
     # an export and inside a grid's folder.
@@ -61,10 +63,16 @@ def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp
         (project / rel).parent.mkdir(parents=True, exist_ok=True)
         (project / rel).write_bytes(data)
     (project / "validation" / "empty-of-mine").mkdir()
+    # Inside an export's own folder: exporting again writes its files beside it.
+    fmt = next(p for p in run.exports.iterdir() if p.is_dir() and p.name != "rejected")
+    mine[f"exports/{fmt.name}/my-copy.txt"] = b"kept beside the export"
+    (fmt / "my-copy.txt").write_bytes(mine[f"exports/{fmt.name}/my-copy.txt"])
+    assert main(["export", str(project)]) == 0
+    capsys.readouterr()
     before = hashes(project)
     assert main(["train", str(cfg), "--overwrite"]) == 0
     out = capsys.readouterr().out
-    assert "kept 5 of yours" in out  # told, not silent
+    assert "kept 6 of yours" in out  # told, not silent
     after = hashes(project)
     for rel in mine:
         assert after.get(rel) == before[rel], rel  # every file of the user's, byte for byte
@@ -82,6 +90,25 @@ def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp
     assert not any(p.startswith("exports/") for p in set(after) - set(mine))
     assert len(run.read_metrics()) == len([r for r in run.read_metrics() if r["step"] <= 2])
     assert old_kit_files  # the earlier run wrote files, and they were there to remove
+
+
+def test_a_run_never_writes_over_a_file_it_did_not_write(tmp_path):
+    from kit.errors import KitError
+    from kit.io import LEDGER, atomic_dir, write_text
+
+    (tmp_path / LEDGER).write_text(json.dumps({"tracks": ["exports", "loss.png"]}) + "\n")
+    write_text(tmp_path / "loss.png", "the kit's")
+    write_text(tmp_path / "loss.png", "the kit's, again")  # listed as the kit's: replaced
+    theirs = tmp_path / "exports" / "x" / "mine.txt"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_text("mine")
+    before = hashes(tmp_path)
+    with pytest.raises(KitError, match=r"mine.txt was not written by the kit"):
+        with atomic_dir(tmp_path / "exports" / "x") as tmp:
+            (tmp / "weights.safetensors").write_text("new")
+    with pytest.raises(KitError, match=r"mine.txt was not written by the kit"):
+        write_text(theirs, "the kit's")
+    assert hashes(tmp_path) == before
 
 
 def test_a_folder_holding_the_users_files_of_a_runs_names_is_refused(

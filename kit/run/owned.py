@@ -91,8 +91,8 @@ def _legacy_files(run: RunDir) -> set[str]:
     mine: set[str] = set()
     for name in created(run):
         mine |= _files_under(run, run.root / name)
-    if not record_path(run).is_file() and run.manifest.is_file():
-        for p in fixed_files(run):  # a run older still: its fixed files are its own
+    if old_run_files(run) or (not record_path(run).is_file() and run.manifest.is_file()):
+        for p in fixed_files(run):  # beside an earlier run's checkpoints: its own
             mine |= _files_under(run, p)
     for p in kit_entries(run.checkpoints) + kit_entries(run.validation) + [run.metrics]:
         mine |= _files_under(run, p)
