@@ -119,6 +119,15 @@ def note_outputs(run: RunDir) -> int:
     return len(ledger_path(run).read_text(encoding="utf-8").splitlines())
 
 
+def _listed_since(run: RunDir, since: int) -> set[str]:
+    """The files the ledger lists past line `since`: the current run's."""
+    out = set()
+    for line in ledger_path(run).read_text(encoding="utf-8").splitlines()[since:]:
+        with contextlib.suppress(ValueError):
+            out.add(json.loads(line))
+    return {x for x in out if isinstance(x, str)}
+
+
 def _write_ledger(run: RunDir, files: list[str]) -> None:
     header = json.dumps({"tracks": [p.name for p in outputs(run)]})
     write_text(ledger_path(run), "".join(f"{line}\n" for line in [header, *map(json.dumps, files)]))
@@ -164,9 +173,8 @@ def clear_run(run: RunDir, since: int | None = None) -> tuple[list[Path], list[P
     `since`, where this run's own files begin), staged checkpoints, then the folders left empty
     (never a top-level folder the kit did not create). The user's files stay, wherever they
     are. Returns what was removed and the user's files kept among the run's outputs."""
-    lines = ledger_path(run).read_text(encoding="utf-8").splitlines() if since else []
-    new = [json.loads(x) for x in lines[since:]] if since else []
-    old = own_files(run) - set(new)
+    new = _listed_since(run, since) if since else set()
+    old = own_files(run) - new
     tracked = {p.name for p in outputs(run)}
     gone: list[Path] = []
     for rel in sorted(old):
@@ -187,7 +195,7 @@ def clear_run(run: RunDir, since: int | None = None) -> tuple[list[Path], list[P
             continue  # the user's own folder, even empty
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when empty
-    _write_ledger(run, sorted(set(new)))
+    _write_ledger(run, sorted(new))
     kept = [p for out in outputs(run) for p in untracked(out)]
     return gone, kept
 
