@@ -92,6 +92,17 @@ def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp
     assert old_kit_files  # the earlier run wrote files, and they were there to remove
 
 
+def test_the_trackers_files_are_listed_as_the_runs(make_config, tmp_path, capsys):
+    cfg = make_config(max_train_steps=1, checkpointing_steps=0, report_to="tensorboard")
+    assert main(["train", str(cfg)]) == 0
+    run = tmp_path / "run"
+    events = {
+        p.relative_to(run).as_posix() for p in (run / "logs" / "kit").rglob("*") if p.is_file()
+    }
+    lines = (run / "written.jsonl").read_text().splitlines()[1:]
+    assert events and events <= {json.loads(x) for x in lines}  # --overwrite removes them too
+
+
 def test_a_run_never_writes_over_a_file_it_did_not_write(tmp_path):
     from kit.errors import KitError
     from kit.io import LEDGER, atomic_dir, write_text

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from kit.config import Config
 from kit.errors import KitError
 from kit.families.identity import public_name
-from kit.io import append_line
+from kit.io import append_line, note_written
 from kit.optim import learning_rate
 from kit.run.folder import RunDir
 from kit.train.state import Callback, TrainState
@@ -83,6 +83,16 @@ def start_trackers(accelerator: Any, cfg: Config) -> None:
         accelerator.init_trackers(TENSORBOARD_PROJECT, config=scalar_config(cfg))
         return
     _start_wandb(accelerator, cfg)
+
+
+def note_tracker_files(run: RunDir, cfg: Config) -> None:
+    """List the files a tracker wrote into the run's `logs/` in the run's ledger: the library
+    writes them itself, past the kit's writers, and `--overwrite` removes only listed files."""
+    if cfg.train.report_to == "none":
+        return
+    folder = run.logs / ("wandb" if cfg.train.report_to == "wandb" else TENSORBOARD_PROJECT)
+    if folder.is_dir():
+        note_written(folder)
 
 
 def _start_wandb(accelerator: Any, cfg: Config) -> None:
