@@ -183,20 +183,22 @@ def check_resume(
         return
     check_shape(cfg, resume_from)
     saved = json.loads((resume_from / "progress.json").read_text())
-    t = cfg.train
-    epoch = epoch_batches(data.plan, t.train_batch_size, t.seed, saved["epoch"])
-    check_position(resume_from, saved, len(epoch), t.gradient_accumulation_steps)
     now = fingerprint(cfg, data, identity)
+    settings = saved.get("settings", {})
     changes = [
-        f"{k}: {saved['settings'].get(k)!r} → {v!r}"
+        f"{k}: {settings.get(k)!r} → {v!r}"
         for k, v in now["settings"].items()
-        if saved["settings"].get(k) != v
+        if settings.get(k) != v
     ]
     if saved.get("dataset") != now["dataset"]:
         before, after = set(saved.get("dataset", [])), set(now["dataset"])
         changes.append(
             f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed"
         )
+    if not changes:  # the checkpoint's own epochs: its position must lie inside one
+        t = cfg.train
+        epoch = epoch_batches(data.plan, t.train_batch_size, t.seed, saved["epoch"])
+        check_position(resume_from, saved, len(epoch), t.gradient_accumulation_steps)
     if "base" in now and base_change(saved.get("base"), now["base"]):
         changes.append(base_change(saved.get("base"), now["base"]))
     edited = changed_captions(saved.get("captions"), data)
