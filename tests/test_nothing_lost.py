@@ -92,6 +92,34 @@ def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp
     assert old_kit_files  # the earlier run wrote files, and they were there to remove
 
 
+def test_overwrite_of_a_run_from_before_the_ledger_keeps_the_users_files(
+    capsys, make_config, tmp_path
+):
+    project = tmp_path / "project"
+    cfg = make_config(output_dir=str(project), max_train_steps=2, checkpointing_steps=0)
+    assert main(["train", str(cfg)]) == 0
+    assert main(["export", str(project)]) == 0
+    (project / "written.jsonl").unlink()  # as the kit before it left a run
+    mine = {
+        "exports/my-notes.txt": b"mine",
+        "logs/my-log.txt": b"mine",
+        "validation/my_picks/favourite.txt": b"mine",
+    }
+    for rel, data in mine.items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_bytes(data)
+    old_grid = next(RunDir(project).validation_step(2).glob("*.png"))
+    old_grid.write_bytes(b"the earlier run's grid")  # so that its removal shows
+    capsys.readouterr()
+    assert main(["train", str(cfg), "--overwrite"]) == 0
+    after = hashes(project)
+    assert all(after.get(rel) == hashlib.sha256(d).hexdigest() for rel, d in mine.items())
+    assert (
+        after[old_grid.relative_to(project).as_posix()]
+        != hashlib.sha256(b"the earlier run's grid").hexdigest()
+    )
+
+
 def test_the_trackers_files_are_listed_as_the_runs(make_config, tmp_path, capsys):
     cfg = make_config(max_train_steps=1, checkpointing_steps=0, report_to="tensorboard")
     assert main(["train", str(cfg)]) == 0

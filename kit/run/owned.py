@@ -27,6 +27,10 @@ RECORD = "run_files.json"
 _KIT_NAMED = re.compile(r"step-\d+|\.step-\d+.*\.tmp|.+-scales")
 """What a run writes into a folder that was the user's before it: checkpoints, grids."""
 
+_KIT_LOGS = re.compile(r"metrics\.jsonl|error\.log|timing\.jsonl|process-\d+\.jsonl|kit|wandb")
+"""What a run writes into `logs/`: its logs, and its trackers' folders (TensorBoard's is named
+`kit`, see `kit.train.log`)."""
+
 _STAGED = re.compile(r"\.step-\d+.*\.tmp")
 """A checkpoint staged by a run that stopped before it was complete."""
 
@@ -86,15 +90,19 @@ def _files_under(run: RunDir, path: Path) -> set[str]:
 
 
 def _legacy_files(run: RunDir) -> set[str]:
-    """A run from before the ledger: what its record says it created, its checkpoints and grids
-    by their names, and its metrics (as that version of the kit removed them)."""
+    """A run from before the ledger: the entries it names itself (checkpoints, grids, its
+    logs, its export folders, its fixed files), never anything else in the folders it made,
+    where the user may have put files since."""
+    if not (old_run_files(run) or run.manifest.is_file()):
+        return set()  # no run here: every file is the user's
+    found = kit_entries(run.checkpoints) + kit_entries(run.validation) + fixed_files(run)
+    found += [run.validation_controls]
+    if run.logs.is_dir():
+        found += [p for p in run.logs.iterdir() if _KIT_LOGS.fullmatch(p.name)]
+    if run.exports.name in created(run) and run.exports.is_dir():
+        found += [p for p in run.exports.iterdir() if p.is_dir()]  # one folder per format
     mine: set[str] = set()
-    for name in created(run):
-        mine |= _files_under(run, run.root / name)
-    if old_run_files(run) or (not record_path(run).is_file() and run.manifest.is_file()):
-        for p in fixed_files(run):  # beside an earlier run's checkpoints: its own
-            mine |= _files_under(run, p)
-    for p in kit_entries(run.checkpoints) + kit_entries(run.validation) + [run.metrics]:
+    for p in found:
         mine |= _files_under(run, p)
     return mine
 
