@@ -433,8 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("train", help="train from a config")
     with_config(sp)
     sp.add_argument("--resume", metavar="latest|PATH", help="continue from a checkpoint")
-    sp.add_argument("--force", action="store_true", help="resume even if settings changed")
-    sp.add_argument("--overwrite", action="store_true", help="replace an earlier run in output_dir")
+    sp.add_argument(
+        "--force", action="store_true", help="resume even if settings or captions changed"
+    )
+    sp.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run in output_dir (the files it wrote; yours stay)",
+    )
     sp.set_defaults(func=cmd_train)
 
     cli_share.add_commands(sub)

@@ -26,7 +26,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp_path
+        refuse_untracked(path)  # a run never writes over a file it did not write
         os.replace(tmp_path, path)
+        note_written(path)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
@@ -75,6 +77,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     os.chmod(tmp, 0o777 & ~current_umask())  # not mkdtemp's private 0700: as any folder made
     try:
         yield tmp
+        refuse_untracked(path)
         if path.exists():
             # Move the old one aside first so that a crash never leaves neither.
             old = path.with_name(f".{path.name}.old")
@@ -84,8 +87,99 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, path)
+        note_written(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+LEDGER = "written.jsonl"
+"""A folder's record of the files the kit wrote in it (a run folder's): a first line naming the
+entries it tracks (`{"tracks": [...]}`), then one JSON string a line, a file's path relative to
+the folder. Whatever is not listed is the user's: the kit never removes or replaces it."""
+
+
+def _ledger(path: Path) -> tuple[Path, list[str]] | None:
+    """The folder holding the ledger that tracks `path`, and `path` relative to it, if any."""
+    path = Path(os.path.abspath(path))
+    for folder in path.parents:
+        ledger = folder / LEDGER
+        if not ledger.is_file():
+            continue
+        try:
+            with open(ledger, encoding="utf-8") as f:
+                tracks = json.loads(f.readline()).get("tracks", [])
+        except (OSError, ValueError, AttributeError):
+            return None  # a damaged ledger records nothing (and so claims nothing)
+        parts = list(path.relative_to(folder).parts)
+        return (folder, parts) if parts[0] in tracks else None
+    return None
+
+
+def note_written(path: str | os.PathLike) -> None:
+    """Add `path` (a file, or each file in a folder) to the ledger of the folder it is written
+    in, where that folder keeps one and tracks the entry it is under."""
+    found = _ledger(Path(path))
+    if found is None:
+        return
+    folder, _ = found
+    path = Path(os.path.abspath(path))
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    lines = "".join(json.dumps(p.relative_to(folder).as_posix()) + "\n" for p in files)
+    with open(folder / LEDGER, "a", encoding="utf-8") as f:
+        f.write(lines)  # one write: lines of several processes do not interleave
+
+
+def written_files(folder: str | os.PathLike) -> set[str] | None:
+    """The files (relative paths) the ledger of `folder` lists, or None where it keeps none."""
+    try:
+        lines = (Path(folder) / LEDGER).read_text(encoding="utf-8").splitlines()[1:]
+    except OSError:
+        return None
+    out = set()
+    for line in lines:
+        try:
+            name = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(name, str):
+            out.add(name)
+    return out
+
+
+def untracked(path: str | os.PathLike) -> list[Path]:
+    """The files under `path` that a ledger tracking it does not list: the user's."""
+    path = Path(path)
+    found = _ledger(path) if path.exists() else None
+    if found is None:
+        return []
+    folder, _ = found
+    mine = written_files(folder) or set()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    base = Path(os.path.abspath(folder))
+    return [p for p in files if Path(os.path.abspath(p)).relative_to(base).as_posix() not in mine]
+
+
+def refuse_untracked(path: str | os.PathLike) -> None:
+    """Refuse to replace a folder of a run that holds a file the kit did not write."""
+    theirs = untracked(path)
+    if theirs:
+        raise KitError(
+            f"{theirs[0]} was not written by the kit, and writing {path} would replace it; "
+            "move it out of the run folder and try again"
+        )
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line to a log file (made with its folder when missing, and then recorded in
+    the run's ledger)."""
+    path = Path(path)
+    new = not path.exists()
+    if new:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line.rstrip("\n") + "\n")
+    if new:
+        note_written(path)
 
 
 def current_umask() -> int:

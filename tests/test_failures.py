@@ -216,12 +216,12 @@ def test_overwrite_removes_only_what_a_run_wrote(capsys, make_config, tmp_path):
     # The run's record: the folders it created, not the user's that it wrote into.
     created = json.loads((project / "run_files.json").read_text())["created"]
     assert "logs" in created and "validation" not in created and "checkpoints" not in created
-    old_timing = run.logs / "old-run.txt"
-    old_timing.write_text("the earlier run's")
+    users_log = run.logs / "my-log.txt"
+    users_log.write_text("the user's, in a folder the kit created")
     assert main(["train", str(cfg), "--overwrite"]) == 0
     assert mine.read_bytes() == b"my own picture" and notes.read_text() == "my notes"
     assert run.checkpoint(2).is_dir()  # the new run's
-    assert not old_timing.exists()  # a folder the kit created goes whole
+    assert users_log.is_file()  # removed file by file: a kit-made folder never goes whole
     assert sorted(p.name for p in run.validation.iterdir()) == [
         "index.json",  # the new run's index of its grids and clips
         "my-photo.png",

@@ -275,3 +275,43 @@ def test_two_processes_on_a_stream_match_one(tmp_path, records, two_processes_an
     scans = tmp_path / "cache" / "scans"
     assert len(list(scans.glob("*.json"))) == 4 and not list(scans.glob("*.progress.json"))
     assert not arrow_files(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda saved: [saved[0], saved[1], {k: v for k, v in saved[2].items() if k != "epoch"}],
+        lambda saved: [saved[0], saved[1], "not a stream's state"],
+        lambda saved: [10**9, saved[1], saved[2]],
+        lambda saved: [-5, saved[1], saved[2]],
+        lambda saved: {"row": 4},
+    ],
+)
+def test_a_damaged_saved_stream_position_is_read_again_by_itself(
+    tmp_path, records, monkeypatch, damage
+):
+    """A saved position edited or damaged (was: `unexpected KeyError: 'epoch'` on every later
+    run until the file was deleted by hand) is dropped with one warning, and the block read
+    again from its start, ending as a read that never stopped."""
+    path = write_parquet(records, tmp_path / "toy.parquet")
+    monkeypatch.setattr(stream, "CHECKPOINT", 2)
+    real = stream._examples
+
+    def failing(s):
+        for n, example in enumerate(real(s)):
+            if n == 5:
+                raise OSError("connection reset by peer")
+            yield example
+
+    monkeypatch.setattr(stream, "_examples", failing)
+    with pytest.raises(DataError, match="stream broke"):
+        scan(from_dict(streamed(path)).data)
+    monkeypatch.setattr(stream, "_examples", real)
+    (progress,) = (tmp_path / "xdg" / "kit" / "scans").glob("*.progress.json")
+    progress.write_text(json.dumps(damage(json.loads(progress.read_text()))))
+    with pytest.warns(UserWarning, match=r"saved position .* damaged.*from its start") as caught:
+        resumed = scan(from_dict(streamed(path)).data)
+    assert len(caught) == 1 and str(progress.name) in str(caught[0].message)
+    straight = scan(from_dict({**streamed(path), "cache_dir": str(tmp_path / "c2")}).data)
+    assert seen(resumed) == seen(straight) and len(resumed.samples) == 8
+    assert not progress.exists()

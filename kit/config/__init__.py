@@ -251,13 +251,24 @@ def _resolve_paths(value: Any, base_dir: str | Path) -> Any:
     changes = {}
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
-        if f.metadata.get("path") == "hub_or_path" and v and not v.endswith(".parquet"):
-            changes[f.name] = resolve_model_path(v, base_dir)  # a hub id stays one
-        elif f.metadata.get("path") and v:
-            changes[f.name] = _absolute(v, base_dir)
+        if f.metadata.get("path") and v:
+            changes[f.name] = _resolve_field(f, v, base_dir)
         elif dataclasses.is_dataclass(v) or isinstance(v, list):
             changes[f.name] = _resolve_paths(v, base_dir)
     return dataclasses.replace(value, **changes) if changes else value
+
+
+def _resolve_field(f: dataclasses.Field, value: Any, base_dir: str | Path) -> Any:
+    """The one rule for every path key: a relative path is taken from the config file's folder
+    (`base_dir`), never the current one; a URL stays, and so does a hub id where one is allowed."""
+    if f.metadata.get("path") == "hub_or_path" and not value.endswith(_FILE_SUFFIXES):
+        return resolve_model_path(value, base_dir)
+    # A file by its suffix is a path even when missing: its error then names where it looked.
+    return _absolute(value, base_dir)
+
+
+_FILE_SUFFIXES = (".parquet", ".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf", ".sft")
+"""Endings of a file (never of a hub id) that a key taking a hub id or a path may name."""
 
 
 def _absolute(value: str | list[str], base_dir: str | Path) -> str | list[str]:
@@ -325,14 +336,10 @@ def from_dict(raw: dict[str, Any], base_dir: str | Path | None = None) -> Config
         sec, f = index[key]
         value = _coerce(key, value, hints[sec][key])
         if base_dir is not None and f.metadata.get("path") and value:
-            value = _absolute(value, base_dir)
+            value = _resolve_field(f, value, base_dir)
         elif base_dir is not None and isinstance(value, list):
             value = _resolve_paths(value, base_dir)
         per_section[sec][key] = value
-    if base_dir is not None and "pretrained_model" in flat:
-        per_section["model"]["pretrained_model"] = resolve_model_path(
-            flat["pretrained_model"], base_dir
-        )
     return Config(**{sec: SECTIONS[sec](**vals) for sec, vals in per_section.items()})
 
 

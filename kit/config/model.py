@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from kit.config.sources import HUB_OR_PATH
 from kit.errors import ConfigError
 
 DEFAULT_BASES: dict[str, str] = {}
@@ -17,18 +18,18 @@ it is imported; this layer knows no family."""
 class ModelConfig:
     model_family: str = "sd15"
     """Registered model family (see `kit families`), e.g. `sd15`."""
-    pretrained_model: str = ""
+    pretrained_model: str = field(default="", metadata=HUB_OR_PATH)
     """Base model: a local diffusers folder, a hub id, or one `.safetensors` / `.ckpt` file
     (as A1111, ComfyUI and model sites share them; see `model_config`); empty takes the
     family's maintained base (the hub id `kit families` prints)."""
-    model_config: str = ""
+    model_config: str = field(default="", metadata=HUB_OR_PATH)
     """For a single-file `pretrained_model`: where the architecture's configs, the tokenizers,
     the scheduler and any part the file lacks come from: a diffusers folder or hub id of the same
     architecture, or a config the kit ships (`kit families` lists them: `sd15`, `sdxl`,
     `flux-dev`, `zimage-turbo`, `wan22-t2v-a14b`, ...); empty takes the family's shipped config.
     The shipped configs hold no tokenizers or weights: they describe the architecture
     (estimates, previews), and training needs a folder or hub id."""
-    vae_model: str = ""
+    vae_model: str = field(default="", metadata=HUB_OR_PATH)
     """Another VAE to use (a diffusers folder, hub id or single file), e.g. an fp16-safe SDXL
     VAE; empty keeps the base model's."""
     base_quantization: Literal["none", "int8", "fp8", "nf4"] = "none"
@@ -51,7 +52,7 @@ class ModelConfig:
     """For a base with two experts (Wan 2.2 A14B: a high-noise `transformer`, a low-noise
     `transformer_2`): train `high`, `low` or `both` (each step the expert of its timesteps);
     empty trains both. Refused for a base with one transformer."""
-    training_adapter: str = ""
+    training_adapter: str = field(default="", metadata=HUB_OR_PATH)
     """A LoRA (file, folder or hub id) run inside a step-distilled base while training (e.g. a
     de-distilling adapter made for Z-Image Turbo or FLUX.2 klein) and left out of every export:
     the trained LoRA is then used on the distilled base alone. Validation draws both ways."""

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kit.errors import KitError, disk_errno, disk_problem
+from kit.io import note_written
 from kit.run.folder import RunDir, step_of
 
 MARKER = "COMPLETE"
@@ -237,6 +238,7 @@ def save_checkpoint(
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    note_written(final)  # the run's ledger: --overwrite removes these files, and only these
     if keep > 0:
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kit.errors import KitError
+from kit.io import append_line
 from kit.run.folder import RunDir
 
 # Lock files this process holds: resolved path -> [open file, depth]. Guarded by _GUARD.
@@ -211,10 +212,8 @@ def record_error(root: Path, command: str) -> None:
     if not run.config.is_file():
         return
     with contextlib.suppress(OSError):
-        run.logs.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-        with open(run.error_log, "a", encoding="utf-8") as f:
-            f.write(f"--- kit {command}, {stamp}\n{traceback.format_exc()}\n")
+        append_line(run.error_log, f"--- kit {command}, {stamp}\n{traceback.format_exc()}\n")
 
 
 def holder(root: str | os.PathLike) -> dict[str, Any] | None:

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from kit.config import Config
 from kit.errors import KitError
 from kit.families.identity import public_name
+from kit.io import append_line, note_written
 from kit.optim import learning_rate
 from kit.run.folder import RunDir
 from kit.train.state import Callback, TrainState
@@ -82,6 +83,16 @@ def start_trackers(accelerator: Any, cfg: Config) -> None:
         accelerator.init_trackers(TENSORBOARD_PROJECT, config=scalar_config(cfg))
         return
     _start_wandb(accelerator, cfg)
+
+
+def note_tracker_files(run: RunDir, cfg: Config) -> None:
+    """List the files a tracker wrote into the run's `logs/` in the run's ledger: the library
+    writes them itself, past the kit's writers, and `--overwrite` removes only listed files."""
+    if cfg.train.report_to == "none":
+        return
+    folder = run.logs / ("wandb" if cfg.train.report_to == "wandb" else TENSORBOARD_PROJECT)
+    if folder.is_dir():
+        note_written(folder)
 
 
 def _start_wandb(accelerator: Any, cfg: Config) -> None:
@@ -161,8 +172,7 @@ def log_row(accelerator: Any, run: RunDir, row: dict[str, Any]) -> None:
     """Append a row to the metrics file and send its numbers to the trackers (main process)."""
     if not accelerator.is_main_process:
         return
-    with open(run.metrics, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    append_line(run.metrics, json.dumps(row))
     if accelerator.log_with:
         scalars = {k: v for k, v in row.items() if isinstance(v, int | float) and k != "step"}
         accelerator.log(scalars, step=row["step"])
@@ -192,9 +202,7 @@ def emitter(callbacks: list[Callback] | tuple[Callback, ...]) -> Callable[..., N
 
 def audit(run: RunDir, rank: int, record: dict[str, Any]) -> None:
     """Per-process record of a multi-process run: which samples it saw, what it ended with."""
-    run.logs.mkdir(parents=True, exist_ok=True)
-    with open(run.process_log(rank), "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    append_line(run.process_log(rank), json.dumps(record))
 
 
 def weights_digest(state: dict[str, torch.Tensor]) -> str:
@@ -235,9 +243,7 @@ class RunTimer:
         row = {"kind": "timing", "phase": phase, "seconds": round(seconds, 3), **extra}
         self.rows.append(row)
         if self.main:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            append_line(self.path, json.dumps(row))
         return row
 
     @contextlib.contextmanager

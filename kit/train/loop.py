@@ -32,6 +32,7 @@ from kit.train.log import (
     audit,
     log_grid,
     log_row,
+    note_tracker_files,
     progress_bar,
     step_row,
     weights_digest,
@@ -122,6 +123,7 @@ def fit(s: TrainState) -> TrainResult:
         acc.end_training()
         timer.warmup(s.step)  # a run of two steps still reports its first one
         if s.main:
+            note_tracker_files(s.run, s.cfg)
             # Also when training stopped on an error: the report then explains it.
             with timer.phase("doctor"):
                 write_report(s.run.root, error=sys.exc_info()[1])

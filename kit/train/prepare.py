@@ -28,7 +28,7 @@ from kit.precision import torch_dtype
 from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.run.folder import RunDir
-from kit.run.owned import clear_run, note_outputs, refuse_mixed_runs
+from kit.run.owned import LEDGER, clear_run, note_outputs, refuse_mixed_runs
 from kit.sample.embedded import embedded_keys, prompt_texts, takes_embeddings
 from kit.sample.validate import default_prompts, image_specs, pair_prompts
 from kit.train.accel import deepspeed_launch, fsdp_launch, is_fsdp, make_accelerator
@@ -87,8 +87,9 @@ def prepare(
     resume_from = ckpt.resolve_resume(run.root, resume) if resume else None
     check_shape(cfg, resume_from)  # another adapter's checkpoint: refused before any work
     refuse_mixed_runs(run, resume, overwrite)
-    if accelerator.is_main_process:  # before the run writes anything: what it creates is its own
-        note_outputs(run)
+    # Before the run writes anything: what it creates is its own, and the ledger's lines past
+    # `mark` are this run's files (kept by --overwrite, which removes the earlier run's).
+    mark = note_outputs(run) if accelerator.is_main_process else 0
     # Before any work on the CPU (class images, the cache): see kit.run.threads.
     cpu = threads.for_run(t.cpu_threads, resume_from)
     if cpu.changed:
@@ -205,7 +206,12 @@ def prepare(
     empty_text = {k: v.float() for k, v in data.empty_text().items()} if dropout else {}
     check_resume(run, cfg, data, resume_from, force, identity=comps.identity)
     if overwrite and not resume and accelerator.is_main_process:
-        clear_run(run)
+        _, kept = clear_run(run, since=mark)
+        if kept:  # what a user expects: their files stay, and they are told so
+            accelerator.print(
+                f"--overwrite removed the earlier run's files (those {LEDGER} lists) and kept "
+                f"{len(kept)} of yours among them, e.g. {kept[0]}"
+            )
 
     torch.manual_seed(t.seed)  # adapter initialisation, the same whichever parts were loaded
     summary = method.attach(comps)

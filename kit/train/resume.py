@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import warnings
 from pathlib import Path
 from typing import Any
 
 from kit.config import Config
+from kit.data.buckets import epoch_batches
 from kit.data.cache import CachedDataset
 from kit.errors import KitError
 from kit.families.identity import fingerprint as id_digest
@@ -17,6 +19,7 @@ from kit.io import write_text
 from kit.optim import train_weights
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
+from kit.run.owned import refuse_foreign_files
 from kit.train.accel import is_fsdp, load_fsdp, load_sharded
 from kit.train.state import TrainState
 
@@ -59,11 +62,35 @@ def fingerprint(
     out = {
         "settings": {k: cfg.get(k) for k in EXACTNESS_KEYS},
         "dataset": sorted(data.digests),
+        "captions": caption_digests(data),
         "adapter": adapter_shape(cfg),
     }
     if identity is not None:
         out["base"] = base_record(cfg, identity)
     return out
+
+
+def caption_digests(data: CachedDataset) -> dict[str, str]:
+    """Each trained image's captions, by the image's digest (its name may move): a short digest
+    of the caption text, so that a caption edited after a checkpoint is found on resume."""
+    texts: dict[str, list[str]] = {}
+    for s, d in zip(data.kept(), data.digests, strict=False):
+        texts.setdefault(d, []).append(s.caption)
+    return {
+        d: hashlib.sha256("\n".join(sorted(t)).encode()).hexdigest()[:16] for d, t in texts.items()
+    }
+
+
+def changed_captions(saved: Any, data: CachedDataset) -> list[str]:
+    """The images (file names) whose caption changed since `saved` (a checkpoint's record)."""
+    if not isinstance(saved, dict):
+        return []  # a checkpoint from before captions were recorded
+    now = caption_digests(data)
+    names = {
+        d: s.blob.name if s.blob is not None else str(s.image)
+        for s, d in zip(data.kept(), data.digests, strict=False)
+    }
+    return sorted(names[d] for d, c in now.items() if d in saved and saved[d] != c)
 
 
 def check_shape(cfg: Config, resume_from: Path | None) -> None:
@@ -72,9 +99,11 @@ def check_shape(cfg: Config, resume_from: Path | None) -> None:
     if resume_from is None:
         return
     try:
-        saved = json.loads((resume_from / ckpt.PROGRESS_FILE).read_text()).get("adapter", {})
+        progress = json.loads((resume_from / ckpt.PROGRESS_FILE).read_text())
     except (OSError, ValueError):
         return  # read again (and refused by name) when the checkpoint loads
+    check_position(resume_from, progress)
+    saved = progress.get("adapter", {}) if isinstance(progress, dict) else {}
     now = adapter_shape(cfg)
     changed = [f"{k}: {v!r} → {now[k]!r}" for k, v in saved.items() if k in now and now[k] != v]
     if changed:
@@ -82,6 +111,52 @@ def check_shape(cfg: Config, resume_from: Path | None) -> None:
             f"cannot resume {resume_from}: it holds another adapter than this config trains ("
             + "; ".join(changed)
             + "); set them back to resume, or start a new run in another output_dir"
+        )
+
+
+POSITION_KEYS = ("step", "epoch", "position")
+"""Where a checkpoint's run stood: its step, and the epoch and batch it reads next."""
+
+
+def _damaged_position(checkpoint: Path, key: str, why: str) -> KitError:
+    return KitError(
+        f"checkpoint {checkpoint}: {ckpt.PROGRESS_FILE} key '{key}' {why}; the saved state is "
+        "damaged: resume from another checkpoint (--resume <its folder>) or start again "
+        "(--overwrite)"
+    )
+
+
+def check_position(
+    checkpoint: Path, progress: Any, batches: int | None = None, accumulation: int = 0
+) -> None:
+    """Refuse a checkpoint whose saved position is missing, of the wrong shape or out of range
+    (an edited or damaged file would otherwise resume silently at the wrong place). Once the
+    data is planned: `batches` in the epoch it stands in, `accumulation` batches per step."""
+    if not isinstance(progress, dict):
+        raise _damaged_position(checkpoint, "step", "is missing: the file holds no record")
+    for key in POSITION_KEYS:
+        value = progress.get(key)
+        if key not in progress:
+            raise _damaged_position(checkpoint, key, "is missing")
+        if type(value) is not int:
+            raise _damaged_position(checkpoint, key, f"is {value!r}, not a whole number")
+        if value < 0:
+            raise _damaged_position(checkpoint, key, f"is {value}, below 0")
+    named = ckpt.step_of(checkpoint)
+    if named is not None and progress["step"] != named:
+        raise _damaged_position(
+            checkpoint, "step", f"is {progress['step']}, not the {named} the folder is named for"
+        )
+    # Every epoch takes at least one batch of each process, every step `accumulation` of them.
+    if accumulation and progress["epoch"] > progress["step"] * accumulation:
+        raise _damaged_position(
+            checkpoint, "epoch", f"is {progress['epoch']}, more epochs than the steps trained"
+        )
+    if batches is not None and progress["position"] > batches:
+        raise _damaged_position(
+            checkpoint,
+            "position",
+            f"is {progress['position']}, past the {batches} batches of epoch {progress['epoch']}",
         )
 
 
@@ -109,23 +184,33 @@ def check_resume(
     check_shape(cfg, resume_from)
     saved = json.loads((resume_from / "progress.json").read_text())
     now = fingerprint(cfg, data, identity)
+    settings = saved.get("settings", {})
     changes = [
-        f"{k}: {saved['settings'].get(k)!r} → {v!r}"
+        f"{k}: {settings.get(k)!r} → {v!r}"
         for k, v in now["settings"].items()
-        if saved["settings"].get(k) != v
+        if settings.get(k) != v
     ]
     if saved.get("dataset") != now["dataset"]:
         before, after = set(saved.get("dataset", [])), set(now["dataset"])
         changes.append(
             f"dataset: {len(after - before)} image(s) added or changed, {len(before - after)} removed"
         )
+    if not changes:  # the checkpoint's own epochs: its position must lie inside one
+        t = cfg.train
+        epoch = epoch_batches(data.plan, t.train_batch_size, t.seed, saved["epoch"])
+        check_position(resume_from, saved, len(epoch), t.gradient_accumulation_steps)
     if "base" in now and base_change(saved.get("base"), now["base"]):
         changes.append(base_change(saved.get("base"), now["base"]))
+    edited = changed_captions(saved.get("captions"), data)
+    if edited:
+        shown = ", ".join(Path(n).name for n in edited[:5])
+        more = f" and {len(edited) - 5} more" if len(edited) > 5 else ""
+        changes.append(f"captions of {len(edited)} image(s) edited: {shown}{more}")
     if changes and not force:
         raise KitError(
             f"cannot resume {resume_from} exactly; changed since it was saved: "
             + "; ".join(changes)
-            + " (pass --force to resume anyway)"
+            + " (pass --force to resume on them as they are now, or --overwrite to start again)"
         )
     if changes:
         warnings.warn("resuming despite changes: " + "; ".join(changes), stacklevel=2)
@@ -197,6 +282,7 @@ def check_output_dir(cfg: Config) -> None:
     if out.exists() and not out.is_dir():
         raise KitError(f"output_dir: {given} is a file, not a folder; choose a folder for the run")
     run = RunDir(out)
+    refuse_foreign_files(run)
     if run.config.is_file() and not run.manifest.is_file():
         raise KitError(
             f"output_dir: {given} holds a {run.config.name} that no run wrote (no "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ def _scan_block(
     entry = view.entry
     assert entry is not None
     stream = block(ds, at[0], columns)
-    report, row, chunks = _resume(folder, key, stream)
+    report, row, chunks = _resume(folder, key, stream, at[0])
     saved, pending = row, ScanReport()
     try:
         for example in _examples(stream):
@@ -101,7 +102,15 @@ def _scan_block(
                 write_json(folder / f"{key}.progress.json", [row, chunks, state])
                 _extend(report, pending)
                 saved, pending = row, ScanReport()
-    except (OSError, ValueError) as e:
+    except Exception as e:
+        if key is not None and row == saved and saved > 0 and not isinstance(e, OSError):
+            # The stream failed before one row past the saved position: the position is what
+            # is damaged (an edit, a library that reads it otherwise), not the stream. Kept, it
+            # would fail every later run too: the block is read again from its start.
+            _damaged(folder, key, at[0], f"the stream could not start there: {first_line(e)}")
+            return _scan_block(view, ds, at, columns, folder, key)
+        if not isinstance(e, (OSError, ValueError)):
+            raise
         raise DataError(
             f"hf_dataset {entry.hf_dataset} ({entry.split}): the stream broke at row {row} of "
             f"block {at[0]}: {first_line(e)}; run "
@@ -111,16 +120,24 @@ def _scan_block(
     return report
 
 
-def _resume(folder: Path, key: str | None, stream: Any) -> tuple[ScanReport, int, int]:
-    """What a stopped read of a block saved: its scan so far, its next row and the number of
-    parts saved; the stream is moved to that row. Nothing saved (or unreadable): the start."""
+def _resume(folder: Path, key: str | None, stream: Any, b: int) -> tuple[ScanReport, int, int]:
+    """What a stopped read of block `b` saved: its scan so far, its next row and the number of
+    parts saved; the stream is moved to that row. Nothing saved: the start; a saved position
+    that is damaged is dropped, with a warning, and the block read from its start."""
     report = ScanReport()
     if key is None:
         return report, 0, 0
     try:
-        row, chunks, state = json.loads((folder / f"{key}.progress.json").read_text("utf-8"))
-    except (OSError, ValueError):
+        saved = json.loads((folder / f"{key}.progress.json").read_text("utf-8"))
+    except OSError:
         return report, 0, 0
+    except ValueError:
+        saved = None
+    why = _position_damage(saved)
+    if why:
+        _damaged(folder, key, b, why)
+        return report, 0, 0
+    row, chunks, state = saved
     parts = [index.load(folder, f"{key}.{i}") for i in range(chunks)]
     if any(p is None for p in parts):
         return report, 0, 0
@@ -129,6 +146,30 @@ def _resume(folder: Path, key: str | None, stream: Any) -> tuple[ScanReport, int
         _extend(report, p)
     stream.load_state_dict(state)
     return report, row, chunks
+
+
+def _position_damage(saved: Any) -> str:
+    """Why a saved position `[row, parts, state]` cannot be where a read stopped ("" if it can)."""
+    if not isinstance(saved, list) or len(saved) != 3:
+        return "not [row, parts, stream state]"
+    row, chunks, state = saved
+    if any(type(v) is not int or v < 0 for v in (row, chunks)):
+        return f"row {row!r} and parts {chunks!r} are not counts"
+    if row != chunks * CHECKPOINT:
+        return f"row {row} is not where part {chunks} of {CHECKPOINT} rows each ends"
+    if not isinstance(state, dict):
+        return "its stream state is not a record"
+    return ""
+
+
+def _damaged(folder: Path, key: str, b: int, why: str) -> None:
+    """Drop a damaged saved position, saying so once: the block is then read from its start."""
+    _forget_progress(folder, key)
+    warnings.warn(
+        f"{folder / f'{key}.progress.json'}: the saved position in stream block {b} is damaged "
+        f"({why}); reading the block again from its start",
+        stacklevel=2,
+    )
 
 
 def _forget_progress(folder: Path, key: str | None) -> None:
