@@ -155,6 +155,8 @@ def open_dataset(name: str, split: str) -> Any:
     except DataError:
         raise
     except (ValueError, KeyError) as e:  # an unknown split, a dataset without one
+        if "corresponds to no data" in str(e):
+            raise DataError(f"{where} has no rows (split {split!r})") from None
         raise DataError(f"{where}: {str(e).splitlines()[0]} (split {split!r})") from None
     except (OSError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
         raise DataError(f"{where} cannot be opened: {str(e).splitlines()[0]}") from None

@@ -201,9 +201,24 @@ def resized_control(
     path: Path | Blob, placement: Any, family: Any, cfg: DataConfig
 ) -> tuple[int, int]:
     """The (width, height) a control trains at: cropped as its target was, then resized by the
-    family's pipeline rule (`Family.control_size`). Reads the image's header only."""
-    w, h = probe(_opened(path), cfg.max_image_pixels)
+    family's pipeline rule (`Family.control_size`). Reads the image's header only; a control
+    that cannot be read, or that the pipeline's rule leaves no pixel of, is a DataError naming it."""
+    name = path.name if isinstance(path, Blob) else path
+    try:
+        w, h = size = probe(_opened(path), cfg.max_image_pixels)
+    except (BadImage, OSError) as e:  # OSError: a store that refused or lost the read
+        raise DataError(f"unreadable control image {name}: {e}") from None
     box = _crop_box((w, h), placement)
     if box is not None:
         w, h = box[2] - box[0], box[3] - box[1]
-    return family.control_size(w, h)
+    try:
+        out = family.control_size(w, h) if min(w, h) > 0 else (0, 0)
+    except ZeroDivisionError:  # a rule that keeps the aspect ratio, of a side rounded to 0
+        out = (0, 0)
+    if min(out) < 1:
+        raise DataError(
+            f"control image {name} is {size[0]}x{size[1]} px: too small for the {family.name} "
+            f"pipeline, which resizes it to {out[0]}x{out[1]}; give it its target's size, or "
+            "remove the pair"
+        )
+    return out
