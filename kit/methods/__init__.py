@@ -12,6 +12,7 @@ import pkgutil
 from kit.config import Config
 from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
+from kit.families.source import check_base
 from kit.methods.base import Method, NetworkSummary
 
 _REGISTRY: dict[str, type[Method]] = {}
@@ -61,9 +62,11 @@ def get_method(cfg: Config, family: Family) -> Method:
 
 
 def preview(cfg: Config) -> NetworkSummary:
-    """What the configured method would train, built on the meta device (no weights)."""
+    """What the configured method would train, built on the meta device (no weights). A base
+    that is missing, gated or unreachable is refused in one line first, as `kit train` does."""
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)
+    check_base(family, cfg.model.pretrained_model, cfg.model.revision)
     return method.mark_trainable(family.empty_parts(cfg.model.pretrained_model))
 
 

@@ -395,6 +395,7 @@ class Lora(Adapter):
 
     name = "lora"
     title = "LoRA"
+    size_per_rank = True
     base_learning_rate = 1e-4
     dora = False
     text_adapters = True
@@ -518,6 +519,7 @@ class LoHa(Lycoris):
 
     name = "loha"
     title = "LoHa"
+    size_per_rank = True
 
     def peft_config(self, targets, alpha):
         from peft import LoHaConfig
