@@ -358,3 +358,23 @@ def test_a_control_column_of_captions_is_one_line_naming_it(tmp_path, capsys):
     )
     err = _one_line(capsys, config, "control")
     assert "c.parquet" in err
+
+
+def test_a_control_too_small_is_refused_at_batch_size_one_too(tmp_path):
+    """Training one pair at a time checks no bucket's sizes, but still each control's: the
+    pipeline's resize of a control a few pixels tall leaves nothing (a division by zero)."""
+    import torch
+
+    from kit.config import from_dict
+    from kit.data.cache import plan_cache
+    from kit.errors import DataError
+    from kit.families import get_family
+
+    body, culprit = _control_dir(tmp_path, BROKEN_CONTROLS["a_few_pixels_tall"]())
+    cfg = from_dict(
+        {"model_family": "flux_kontext", "resolution": 64, "train_batch_size": 1, **body}
+        | {"cache_dir": str(tmp_path / "cache")}
+    )
+    family = get_family("flux_kontext", cfg)
+    with pytest.raises(DataError, match=f"control image .*{culprit} is 64x3 px: too small"):
+        plan_cache(cfg, {"vae": "v", "text": "t"}, torch.float32, family=family)

@@ -178,17 +178,18 @@ def _crop_box(size: tuple[int, int], placement: Any) -> tuple[int, int, int, int
 
 
 def check_batchable(
-    samples: list[Any], placements: list[Any], family: Any, cfg: DataConfig
+    samples: list[Any], placements: list[Any], family: Any, cfg: DataConfig, batched: bool = True
 ) -> None:
-    """Refuse, before anything is cached, a bucket whose controls the pipeline's rule resizes to
-    different sizes: they could not share a batch. Reads image headers only."""
+    """Refuse, before anything is cached, a control the pipeline's rule cannot resize (see
+    `resized_control`) and, when pairs are `batched`, a bucket whose controls the rule resizes
+    to different sizes: they could not share a batch. Reads image headers only."""
     sizes: dict[tuple[Any, int], dict[tuple[int, int], Path]] = {}
     for sample, placement in zip(samples, placements, strict=True):
         for r, control in enumerate(controls_of(sample)):
             seen = sizes.setdefault((placement.bucket, r), {})
             size = resized_control(control, placement, family, cfg)
             seen.setdefault(size, sample.controls[r])
-            if len(seen) > 1:
+            if len(seen) > 1 and batched:
                 (a, fa), (b, fb) = list(seen.items())[:2]
                 raise DataError(
                     f"{fa} and {fb} are controls of one bucket {placement.bucket} that the "
