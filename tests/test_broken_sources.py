@@ -378,3 +378,24 @@ def test_a_control_too_small_is_refused_at_batch_size_one_too(tmp_path):
     family = get_family("flux_kontext", cfg)
     with pytest.raises(DataError, match=f"control image .*{culprit} is 64x3 px: too small"):
         plan_cache(cfg, {"vae": "v", "text": "t"}, torch.float32, family=family)
+
+
+def test_a_remote_read_refused_while_caching_names_the_url(monkeypatch):
+    """An object listed by the scan but refused when the cache reads it: an OSError naming its
+    URL, which the cache reports as an unreadable image and skips, as a lost read."""
+    from types import SimpleNamespace
+
+    from kit.config import from_dict
+    from kit.data.blob import Blob
+    from kit.data.images import BadImage
+    from kit.data.pixels import sample_pixels
+    from kit.data.samples import Sample
+
+    _refusing_s3(monkeypatch)
+    url = "s3://kit-data/toy/a.png"
+    blob = Blob(url, "etag", url, 0, 100)
+    with pytest.raises(OSError, match="s3://kit-data/toy/a.png"):
+        blob.read()
+    sample = Sample(Path(url), "a cat", 64, 64, blob=blob)
+    with pytest.raises(BadImage, match=f"unreadable image {url}"):
+        sample_pixels(sample, SimpleNamespace(frames=0), from_dict({}).data)

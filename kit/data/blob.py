@@ -59,7 +59,12 @@ def read_range(location: str, start: int = 0, size: int = -1) -> bytes:
     if is_url(location):
         fs, path = filesystem(_base(location))
         inner = path + location[len(_base(location)) :]
-        return fs.cat_file(inner, start=start, end=None if size < 0 else start + size)
+        try:
+            return fs.cat_file(inner, start=start, end=None if size < 0 else start + size)
+        except OSError:
+            raise
+        except Exception as e:  # the store's own error (an endpoint refused): a read lost
+            raise OSError(f"{location} cannot be read ({type(e).__name__}: {e})") from None
     with open(local_path(location), "rb") as f:
         f.seek(start)
         return f.read(size)
