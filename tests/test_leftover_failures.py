@@ -92,6 +92,31 @@ def test_a_failing_tensorboard_writer_thread_prints_no_traceback(monkeypatch):
     assert len(printed) == 1 and printed[0].exc_type is ZeroDivisionError
 
 
+@pytest.mark.slow
+def test_a_run_whose_tensorboard_file_cannot_be_written_says_so_in_one_line(
+    capsys, make_config, monkeypatch
+):
+    """The event file's first write fails (a full disk): one `kit: error:` line, no thread's
+    traceback beside it."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer import record_writer
+
+    from kit.cli import main
+
+    def full(self, data):
+        raise NO_SPACE
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    # Python's own hook, which prints a thread's traceback (pytest's would keep it to itself).
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)
+    config = make_config(report_to="tensorboard", max_train_steps=2, checkpointing_steps=0)
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("kit: error:")]
+    assert len(lines) == 1 and "no space left" in lines[0], err
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_a_disk_that_fills_during_the_optimizer_save_is_one_line(tmp_path, monkeypatch):
     """torch.save on a full disk says only `[enforce fail ...] unexpected pos`: the checkpoint's
