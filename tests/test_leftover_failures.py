@@ -168,6 +168,28 @@ def test_disk_full_while_drawing_or_exporting_names_the_file(tmp_path, monkeypat
         write_json(tmp_path / "exports" / "lora.verify.json", {"passed": True})
 
 
+def test_a_full_disk_under_the_diffusers_export_names_the_file(make_config, tmp_path, monkeypatch):
+    """diffusers writes the export's LoRA file itself; safetensors says only `os error 28`."""
+    from kit.config import load_config
+    from kit.families import get_family
+    from kit.methods import get_method
+
+    cfg = load_config(make_config())
+    family = get_family("sd15", cfg)
+
+    def full(*args, **kwargs):
+        raise RuntimeError("Error while serializing: No space left on device (os error 28)")
+
+    monkeypatch.setattr(type(family), "save_diffusers_lora", full)
+    out = tmp_path / "exports"
+    out.mkdir()
+    with pytest.raises(KitError) as e:
+        get_method(cfg, family).write_export("diffusers", {}, {}, 2, out)
+    msg = str(e.value)
+    assert msg.startswith("could not write pytorch_lora_weights.safetensors in ")
+    assert str(out) in msg and "no space left" in msg and list(out.iterdir()) == []
+
+
 # ------------------------------------------------------------------ configs
 
 
