@@ -39,10 +39,12 @@ def _checkpoint(run: Path, step: int) -> Path:
 # ------------------------------------------------------------------ the hub
 
 
-def test_network_with_an_unreachable_hub_is_one_line_at_once(
-    capsys, make_config, monkeypatch, tmp_path
+@pytest.mark.parametrize("command", ["network", "estimate"])
+def test_an_unreachable_hub_is_one_line_at_once(
+    command, capsys, make_config, monkeypatch, tmp_path
 ):
-    """`kit network` refuses a hub id it cannot reach as `kit train` does: at once, one line."""
+    """`kit network` and `kit estimate` refuse a hub id they cannot reach as `kit train` does:
+    at once, in one line."""
     from huggingface_hub import constants
 
     from kit.families import source
@@ -53,7 +55,7 @@ def test_network_with_an_unreachable_hub_is_one_line_at_once(
     monkeypatch.setattr(source, "_hub_reachable", lambda: False)
     config = make_config(pretrained_model="someone/no-such-model")
     start = time.monotonic()
-    err = refused(capsys, "network", config)
+    err = refused(capsys, command, config)
     assert time.monotonic() - start < 8
     assert "'someone/no-such-model'" in err and "cannot be reached" in err
 
