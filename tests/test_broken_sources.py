@@ -401,3 +401,14 @@ def test_a_remote_read_refused_while_caching_names_the_url(monkeypatch):
     sample = Sample(Path(url), "a cat", 64, 64, blob=blob)
     with pytest.raises(BadImage, match=f"unreadable image {url}"):
         sample_pixels(sample, SimpleNamespace(frames=0), from_dict({}).data)
+
+
+def test_a_control_its_pipeline_refuses_is_named_when_cached(tmp_path):
+    """FLUX.2's pipelines refuse a reference under 64 px a side: the cache's refusal names it."""
+    from kit.data.pairs import control_pixels
+    from kit.errors import DataError
+    from kit.families import get_family
+
+    control = tmp_path / "controls" / "s0.png"
+    with pytest.raises(DataError, match=f"control image {control}: reference image refused"):
+        control_pixels(get_family("flux2"), Image.new("RGB", (48, 48)), control)

@@ -168,6 +168,16 @@ def control_image(
     return im if box is None else im.crop(box)
 
 
+def control_pixels(family: Any, image: Image.Image, control: Path | Blob) -> Any:
+    """The family's pixels of a control image (`Family.control_pixels`); a control its
+    pipeline refuses (FLUX.2: under 64 px a side) is a DataError naming it."""
+    try:
+        return family.control_pixels(image)
+    except (DataError, ValueError, ZeroDivisionError) as e:
+        name = control.name if isinstance(control, Blob) else control
+        raise DataError(f"control image {name}: {e}") from None
+
+
 def _crop_box(size: tuple[int, int], placement: Any) -> tuple[int, int, int, int] | None:
     """The target's crop in a control of this size (None: the target was not cropped)."""
     (rw, rh), (top, left), (bw, bh) = placement.resized, placement.crop, placement.bucket
