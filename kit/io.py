@@ -54,10 +54,9 @@ def share(path: Path) -> None:
     leave theirs 0600, which a user who shares the file does not expect."""
     mask = current_umask()
     for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
-        st = p.lstat()
         if p.is_symlink():
             continue
-        full = p.is_dir() or st.st_mode & 0o100
+        full = p.is_dir() or p.stat().st_mode & 0o100  # a folder or a program: searchable
         os.chmod(p, (0o777 if full else 0o666) & ~mask)
 
 
