@@ -262,3 +262,18 @@ def test_sizes_that_cannot_fit_are_refused_before_anything_loads(capsys, make_co
     err = refused(capsys, "train", make_config("rank.json", lora_rank=1_000_000))
     assert "lora_rank: 1000000 makes" in err and "4.0 GiB in all" in err
     sizes.refuse_impossible_sizes(load_config(make_config()))  # usual sizes pass
+
+
+def test_the_network_of_a_large_rank_is_counted_without_its_weights(make_config):
+    """`kit network` and the estimator build the adapter on the meta device too: peft makes
+    its layers on the CPU otherwise, and a rank of 200,000 (2 GB of weights on the tiny base)
+    would take that memory just to be counted."""
+    import resource
+
+    from kit.config import load_config
+    from kit.methods import preview
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    summary = preview(load_config(make_config(lora_rank=200_000)))
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    assert summary.trainable > 400_000_000 and grown < 2**30

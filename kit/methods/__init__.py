@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+import torch
+
 from kit.config import Config
 from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
@@ -67,7 +69,9 @@ def preview(cfg: Config) -> NetworkSummary:
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)
     check_base(family, cfg.model.pretrained_model, cfg.model.revision)
-    return method.mark_trainable(family.empty_parts(cfg.model.pretrained_model))
+    parts = family.empty_parts(cfg.model.pretrained_model)
+    with torch.device("meta"):  # peft makes an adapter's layers on the CPU otherwise
+        return method.mark_trainable(parts)
 
 
 # Modules of this package that are shared machinery, not a method.
