@@ -157,8 +157,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 def cmd_network(args: argparse.Namespace) -> int:
     from kit.methods import preview
+    from kit.train.sizes import refuse_impossible_rank
 
-    summary = preview(_config(args))
+    cfg = _config(args)
+    refuse_impossible_rank(cfg)  # the network's weights are made for real: a rank too large
+    summary = preview(cfg)
     if args.json:
         _print_json(
             {

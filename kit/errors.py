@@ -21,6 +21,12 @@ class DataError(KitError):
     """A dataset folder, image or caption that cannot be used."""
 
 
+class DiskError(KitError, OSError):
+    """A file that could not be written (a full, read-only or forbidden disk), in one line that
+    names it; still an OSError, so that a caller that can do without the file (a saved scan, a
+    digest kept for next time) goes on as before."""
+
+
 def at_least(section: object, minimum: int, *names: str) -> None:
     """Refuse a config field (step count, interval) below `minimum`, naming it: a negative
     interval is no schedule, and must not be read as "every step"."""
@@ -48,6 +54,11 @@ _DISK_WORDS = {
     "no space left on device": errno.ENOSPC,
     "os error 28": errno.ENOSPC,
     "file write failed": errno.ENOSPC,
+    # torch.save's own check that each record landed whole: on a full disk the write falls
+    # short, and its zip writer says only "[enforce fail at inline_container.cc] unexpected pos".
+    "unexpected pos": errno.ENOSPC,
+    # ... or, when the write itself is refused, only its C++ stream's words.
+    "basic_ios::clear: iostream error": errno.ENOSPC,
     "disk quota exceeded": errno.EDQUOT,
     "read-only file system": errno.EROFS,
     "os error 30": errno.EROFS,
@@ -57,7 +68,10 @@ _DISK_WORDS = {
 
 
 def disk_errno(e: BaseException) -> int | None:
-    """The errno of a disk-full, quota, read-only or permission failure, else None."""
+    """The errno of a disk-full, quota, read-only or permission failure, else None (and None
+    for the kit's own line about one, which is said already)."""
+    if isinstance(e, KitError):
+        return None
     if isinstance(e, OSError) and e.errno in _DISK:
         return e.errno
     text = str(e).lower()

@@ -14,12 +14,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from kit.errors import ConfigError, KitError, disk_errno, disk_problem
+from kit.errors import ConfigError, DiskError, KitError, disk_problem
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success it replaces `path` in one rename."""
+def atomic_path(path: str | os.PathLike, needed: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success it replaces `path` in one rename.
+
+    The file gets the mode of any file the user makes (the umask's), whatever wrote it. A full
+    or read-only disk is one line naming the file, the folder, the space left and (`needed`,
+    where the caller knows it) about how much the file needed; nothing partial is left."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # A name of our own rather than mkstemp: mkstemp's files stay private (0600) after the rename.
@@ -27,11 +31,35 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     try:
         yield tmp_path
         refuse_untracked(path)  # a run never writes over a file it did not write
+        share(tmp_path)
         os.replace(tmp_path, path)
         note_written(path)
+    except Exception as e:
+        _name_the_file(e, path, needed)
+        raise
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def _name_the_file(e: Exception, path: Path, needed: int | None = None) -> None:
+    """Raise a disk failure (full, read-only, not permitted) while writing `path` as one line
+    naming it; any other failure is left to the caller."""
+    why = None if isinstance(e, KitError) else disk_problem(e, path.parent, needed=needed)
+    if why is not None:
+        raise DiskError(f"could not write {path.name}: {why}") from None
+
+
+def share(path: Path) -> None:
+    """Give a file the kit wrote (or every file and folder under a folder) the mode the umask
+    gives a new one: libraries that write through a private temporary file (safetensors)
+    leave theirs 0600, which a user who shares the file does not expect."""
+    mask = current_umask()
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if p.is_symlink():
+            continue
+        full = p.is_dir() or p.stat().st_mode & 0o100  # a folder or a program: searchable
+        os.chmod(p, (0o777 if full else 0o666) & ~mask)
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -45,9 +73,11 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def write_with(path: str | os.PathLike, writer: Callable[[Path], None]) -> None:
-    """Call `writer(tmp_path)` and move the result to `path` atomically."""
-    with atomic_path(path) as tmp:
+def write_with(
+    path: str | os.PathLike, writer: Callable[[Path], None], needed: int | None = None
+) -> None:
+    """Call `writer(tmp_path)` and move the result to `path` atomically (see `atomic_path`)."""
+    with atomic_path(path, needed) as tmp:
         writer(tmp)
 
 
@@ -55,29 +85,29 @@ def save_tensors(
     path: str | os.PathLike, tensors: dict[str, Any], metadata: dict[str, str] | None = None
 ) -> None:
     """A safetensors file written atomically; a full or read-only disk is one line naming the
-    folder, the space left and about how much the file needed."""
+    file, its folder, the space left and about how much the file needed."""
     from safetensors.torch import save_file
 
-    try:
-        write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    except Exception as e:
-        if disk_errno(e) is None:
-            raise
-        need = sum(t.numel() * t.element_size() for t in tensors.values())
-        why = disk_problem(e, Path(path).parent, needed=need)
-        raise KitError(f"could not write {Path(path).name}: {why}") from None
+    need = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), needed=need)
 
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary folder beside `path`; on success it is renamed to `path`."""
+    """Yield a temporary folder beside `path`; on success it is renamed to `path`, its files
+    with the umask's modes (see `share`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o777 & ~current_umask())  # not mkdtemp's private 0700: as any folder made
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            _name_the_file(e, path)
+            raise
         refuse_untracked(path)
+        share(tmp)
         if path.exists():
             # Move the old one aside first so that a crash never leaves neither.
             old = path.with_name(f".{path.name}.old")
@@ -215,6 +245,8 @@ def read_json_or_yaml(path: Path) -> Any:
             raise ConfigError(f"{path}: reading YAML needs pyyaml (pip install pyyaml)") from None
         try:
             return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+        except RecursionError:
+            raise ConfigError(_too_deep(path)) from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         except ConfigError as e:
@@ -223,8 +255,17 @@ def read_json_or_yaml(path: Path) -> Any:
         return json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
+    except RecursionError:
+        raise ConfigError(_too_deep(path)) from None
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _too_deep(path: Path) -> str:
+    return (
+        f"{path}: nested too deeply to read (thousands of levels of lists or mappings); a "
+        "config is a mapping of sections, each a mapping of settings"
+    )
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

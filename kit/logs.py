@@ -6,6 +6,7 @@ import importlib.abc
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -35,6 +36,26 @@ def quiet_libraries() -> None:
     logging.getLogger("DeepSpeed").addFilter(_without_cpu_probe)
     for pattern in (".*torchvision.*", ".*should be kept in float32.*"):
         warnings.filterwarnings("ignore", message=pattern)
+    quiet_writer_threads()
+
+
+def quiet_writer_threads() -> None:
+    """Drop the traceback of TensorBoard's event-writing thread when a write fails (a full
+    disk): the thread keeps its error, and the writer raises it in the training thread at its
+    next call, where the kit reports it in one line. Other threads' failures print as before."""
+    previous = threading.excepthook
+    if getattr(previous, "kit_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        thread = args.thread
+        kept = getattr(thread, "exception", None) is args.exc_value
+        if kept and type(thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook.kit_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _without_cpu_probe(record: logging.LogRecord) -> bool:

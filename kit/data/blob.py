@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from kit.config.sources import URL, check_pattern
 from kit.data.streamed import read_row
-from kit.errors import ConfigError, DataError
+from kit.errors import ConfigError, DataError, KitError
 
 T = TypeVar("T")
 
@@ -135,7 +135,12 @@ def read_range(location: str, start: int = 0, size: int = -1) -> bytes:
         fs, path = filesystem(_base(location))
         inner = path + location[len(_base(location)) :]
         end = None if size < 0 else start + size
-        return remote(location, fs.cat_file, inner, start=start, end=end)
+        try:
+            return remote(location, fs.cat_file, inner, start=start, end=end)
+        except (OSError, KitError):
+            raise
+        except Exception as e:  # the store's own error (an endpoint refused): a read lost
+            raise OSError(f"{location} cannot be read ({type(e).__name__}: {e})") from None
     with open(local_path(location), "rb") as f:
         f.seek(start)
         return f.read(size)
@@ -231,6 +236,8 @@ def open_dataset(name: str, split: str) -> Any:
     except DataError:
         raise
     except (ValueError, KeyError) as e:  # an unknown split, a dataset without one
+        if "corresponds to no data" in str(e):
+            raise DataError(f"{where} has no rows (split {split!r})") from None
         raise DataError(f"{where}: {str(e).splitlines()[0]} (split {split!r})") from None
     except (OSError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as e:
         raise DataError(f"{where} cannot be opened: {str(e).splitlines()[0]}") from None

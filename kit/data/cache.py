@@ -27,7 +27,7 @@ from kit.data.datasets import views, weighted
 from kit.data.images import BadImage
 from kit.data.masks import MaskSource, bucket_mask, latent_mask, plan_masks
 from kit.data.masks import masked as any_masked
-from kit.data.pairs import check_batchable, control_image, controls_of
+from kit.data.pairs import check_batchable, control_image, control_pixels, controls_of
 from kit.data.paths import default_cache_dir
 from kit.data.pixels import sample_pixels
 from kit.data.scan import Sample, ScanReport
@@ -307,8 +307,8 @@ def plan_cache(
         [latent_dir / f"{_key(_digest(c), p.record(), *rule)}.safetensors" for c in controls_of(s)]
         for s, p in zip(samples, plan.placements, strict=True)
     ]
-    if any(control_files) and cfg.train.train_batch_size > 1 and hasattr(family, "control_size"):
-        check_batchable(samples, plan.placements, family, cfg.data)
+    if any(control_files) and hasattr(family, "control_size"):
+        check_batchable(samples, plan.placements, family, cfg.data, cfg.train.train_batch_size > 1)
     return CachedDataset(
         samples,
         plan,
@@ -471,7 +471,7 @@ def _encode_missing(
         except BadImage as e:
             bad[i] = str(e)
             continue
-        pixels = family.control_pixels(image).unsqueeze(0).to(device)
+        pixels = control_pixels(family, image, controls_of(s)[r]).unsqueeze(0).to(device)
         # The posterior's mean, whatever `latent_sampling`: the pipelines encode a control
         # with `sample_mode="argmax"`, and training should see what inference feeds.
         lat = family.encode_images(comps, pixels)[0]

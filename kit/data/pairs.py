@@ -173,6 +173,16 @@ def control_image(
     return im if box is None else im.crop(box)
 
 
+def control_pixels(family: Any, image: Image.Image, control: Path | Blob) -> Any:
+    """The family's pixels of a control image (`Family.control_pixels`); a control its
+    pipeline refuses (FLUX.2: under 64 px a side) is a DataError naming it."""
+    try:
+        return family.control_pixels(image)
+    except (DataError, ValueError, ZeroDivisionError) as e:
+        name = control.name if isinstance(control, Blob) else control
+        raise DataError(f"control image {name}: {e}") from None
+
+
 def _crop_box(size: tuple[int, int], placement: Any) -> tuple[int, int, int, int] | None:
     """The target's crop in a control of this size (None: the target was not cropped)."""
     (rw, rh), (top, left), (bw, bh) = placement.resized, placement.crop, placement.bucket
@@ -183,17 +193,18 @@ def _crop_box(size: tuple[int, int], placement: Any) -> tuple[int, int, int, int
 
 
 def check_batchable(
-    samples: list[Any], placements: list[Any], family: Any, cfg: DataConfig
+    samples: list[Any], placements: list[Any], family: Any, cfg: DataConfig, batched: bool = True
 ) -> None:
-    """Refuse, before anything is cached, a bucket whose controls the pipeline's rule resizes to
-    different sizes: they could not share a batch. Reads image headers only."""
+    """Refuse, before anything is cached, a control the pipeline's rule cannot resize (see
+    `resized_control`) and, when pairs are `batched`, a bucket whose controls the rule resizes
+    to different sizes: they could not share a batch. Reads image headers only."""
     sizes: dict[tuple[Any, int], dict[tuple[int, int], Path]] = {}
     for sample, placement in zip(samples, placements, strict=True):
         for r, control in enumerate(controls_of(sample)):
             seen = sizes.setdefault((placement.bucket, r), {})
             size = resized_control(control, placement, family, cfg)
             seen.setdefault(size, sample.controls[r])
-            if len(seen) > 1:
+            if len(seen) > 1 and batched:
                 (a, fa), (b, fb) = list(seen.items())[:2]
                 raise DataError(
                     f"{fa} and {fb} are controls of one bucket {placement.bucket} that the "
@@ -206,9 +217,24 @@ def resized_control(
     path: Path | Blob, placement: Any, family: Any, cfg: DataConfig
 ) -> tuple[int, int]:
     """The (width, height) a control trains at: cropped as its target was, then resized by the
-    family's pipeline rule (`Family.control_size`). Reads the image's header only."""
-    w, h = probe(_opened(path), cfg.max_image_pixels)
+    family's pipeline rule (`Family.control_size`). Reads the image's header only; a control
+    that cannot be read, or that the pipeline's rule leaves no pixel of, is a DataError naming it."""
+    name = path.name if isinstance(path, Blob) else path
+    try:
+        w, h = size = probe(_opened(path), cfg.max_image_pixels)
+    except (BadImage, OSError) as e:  # OSError: a store that refused or lost the read
+        raise DataError(f"unreadable control image {name}: {e}") from None
     box = _crop_box((w, h), placement)
     if box is not None:
         w, h = box[2] - box[0], box[3] - box[1]
-    return family.control_size(w, h)
+    try:
+        out = family.control_size(w, h) if min(w, h) > 0 else (0, 0)
+    except ZeroDivisionError:  # a rule that keeps the aspect ratio, of a side rounded to 0
+        out = (0, 0)
+    if min(out) < 1:
+        raise DataError(
+            f"control image {name} is {size[0]}x{size[1]} px: too small for the {family.name} "
+            f"pipeline, which resizes it to {out[0]}x{out[1]}; give it its target's size, or "
+            "remove the pair"
+        )
+    return out

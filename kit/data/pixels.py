@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,7 +12,9 @@ from PIL import Image
 
 from kit.config import DataConfig
 from kit.data import video
+from kit.data.blob import is_url
 from kit.data.buckets import Placement
+from kit.data.datasets import views
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb
 from kit.data.scan import Sample
 from kit.errors import DataError
@@ -46,6 +50,30 @@ def sample_pixels(
     except OSError as e:  # the store refused or lost the read (after its own retries)
         raise BadImage(f"unreadable image {sample.blob.name}: {e}") from None
     return _fit(im, placement)
+
+
+def undecodable(samples: list[Sample], cfg: DataConfig) -> dict[Path, str]:
+    """The images among `samples` whose pixels do not decode as the cache decodes them (a file
+    cut short reads its header fine), each with why: what a run leaves out when it caches.
+
+    Local files and the rows of a local table are decoded, several at a time (Pillow decodes
+    without holding the GIL); clips and remote objects are left to the cache, as downloading
+    a whole bucket to check it is not what a plan should cost."""
+    seen = views(cfg)
+
+    def why(sample: Sample) -> str | None:
+        blob, d = sample.blob, seen[sample.dataset].data
+        if sample.clip or (blob is not None and (is_url(blob.location) or blob.stream_block)):
+            return None
+        try:
+            open_rgb(blob.open() if blob else sample.image, d.alpha_background, d.max_image_pixels)
+        except (BadImage, OSError) as e:
+            return f"unreadable image {blob.name if blob else sample.image}: {e}"
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        found = list(pool.map(why, samples))
+    return {Path(s.image): w for s, w in zip(samples, found, strict=True) if w}
 
 
 def load_pixels(

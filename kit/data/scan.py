@@ -445,10 +445,11 @@ def check_dataset(cfg: DataConfig, family: Any = None) -> ScanReport:
                 if (owns(view, d[0]) if elsewhere(view) else _within(d[0], at))
             ]
             why = f": all {len(mine)} file(s) skipped ({mine[0][0]}: {mine[0][1]})" if mine else ""
+            kinds = "" if elsewhere(view) else f" (extensions: {sorted(IMAGE_EXTS)})"
             raise DataError(
                 f"{view.where}: no usable images in {at}{why}"
                 if mine
-                else f"{view.where}: no images found in {at} (extensions: {sorted(IMAGE_EXTS)})"
+                else f"{view.where}: no images found in {at}{kinds}"
             )
     if report.samples:
         return report

@@ -10,9 +10,12 @@ import importlib
 import pkgutil
 from typing import Any
 
+import torch
+
 from kit.config import Config, NetworkConfig
 from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
+from kit.families.source import check_base
 from kit.methods.base import Method, NetworkSummary
 
 _REGISTRY: dict[str, type[Method]] = {}
@@ -90,10 +93,14 @@ def _refuse_unread(cfg: Config, family: Family, cls: type[Method]) -> None:
 
 
 def preview(cfg: Config) -> NetworkSummary:
-    """What the configured method would train, built on the meta device (no weights)."""
+    """What the configured method would train, built on the meta device (no weights). A base
+    that is missing, gated or unreachable is refused in one line first, as `kit train` does."""
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)
-    return method.mark_trainable(family.empty_parts(cfg.model.pretrained_model))
+    check_base(family, cfg.model.pretrained_model, cfg.model.revision)
+    parts = family.empty_parts(cfg.model.pretrained_model)
+    with torch.device("meta"):  # peft makes an adapter's layers on the CPU otherwise
+        return method.mark_trainable(parts)
 
 
 # Modules of this package that are shared machinery, not a method.

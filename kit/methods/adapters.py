@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kit.config import Config
-from kit.errors import ConfigError
+from kit.errors import ConfigError, DiskError, disk_problem
 from kit.families import Components, Family, adapter_keys
 from kit.io import save_tensors
 from kit.methods import register
@@ -376,13 +376,23 @@ class Adapter(Method):
 
 def _write_diffusers(family: Family, layers, configs, meta, out: Path, part: str = "") -> Path:
     with tempfile.TemporaryDirectory(dir=out) as tmp:
-        written = family.save_diffusers_lora(layers, configs, Path(tmp))
+        try:
+            written = family.save_diffusers_lora(layers, configs, Path(tmp))
+        except Exception as e:  # diffusers writes it: a full disk is safetensors' own error
+            why = disk_problem(e, out)
+            if why is None:
+                raise
+            raise DiskError(f"could not write {LORA_FILE} in {out}: {why}") from None
         with safe_open(str(written), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
             metadata = {**(f.metadata() or {}), **meta}
         path = out / (f"{written.stem}_{part}{written.suffix}" if part else written.name)
         save_tensors(path, tensors, metadata)
     return path
+
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+"""The file diffusers' `save_lora_weights` writes."""
 
 
 def fold_scale(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
@@ -397,6 +407,7 @@ class Lora(Adapter):
     name = "lora"
     title = "LoRA"
     own_keys = ("lora_dropout", "use_dora", "text_encoder_lr", "text_encoder_target_modules")
+    size_per_rank = True
     base_learning_rate = 1e-4
     dora = False
     text_adapters = True
@@ -523,6 +534,7 @@ class LoHa(Lycoris):
     title = "LoHa"
     own_keys = ("module_dropout",)
     zero_factors = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")  # peft: w2_b at zero
+    size_per_rank = True
 
     def peft_config(self, targets, alpha):
         from peft import LoHaConfig

@@ -62,6 +62,9 @@ class Method:
     rank_bounded = False
     """Its update's rank is at most the configured rank (plain LoRA: ΔW = B·A), so resizing
     to that rank or above would change nothing."""
+    size_per_rank = False
+    """What it trains grows in proportion to `lora_rank` (LoRA and DoRA: r·(in + out) per
+    module; LoHa twice that), so its size at any rank follows from two small ranks'."""
     embeddings = False
     """The method trains new token embeddings: prompts must use its placeholder tokens."""
     hub_tags: tuple[str, ...] = ()

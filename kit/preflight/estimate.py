@@ -25,6 +25,7 @@ from kit.data.buckets import assign_bucket, make_buckets
 from kit.families import Family, get_family
 from kit.families.identity import fingerprint
 from kit.families.shipped import config_source
+from kit.families.source import check_base
 from kit.methods import Method, get_method
 from kit.preflight.layout import LAYOUTS, ZERO_BUCKET, Layout, layout_note, part, wrapped_units
 from kit.preflight.storage import (
@@ -287,6 +288,9 @@ def estimate(
     family = get_family(cfg.model.model_family, cfg)
     # The method decides what trains, and refuses a pair it cannot finish, before any trace.
     method = get_method(cfg, family)
+    source = family.model_source(m.pretrained_model)
+    if config_source(source) == source and not Path(source).exists():  # configs from the hub
+        check_base(family, source, m.revision)  # unreachable or missing: one line, at once
     storage = Storage(
         base_quantization or m.base_quantization,
         t.blocks_to_swap if blocks_to_swap is None else blocks_to_swap,

@@ -25,9 +25,10 @@ import torch
 from kit.config import Config, from_dict
 from kit.data.buckets import group_name, plan_buckets
 from kit.data.datasets import views
+from kit.data.pixels import undecodable
 from kit.data.scan import load_samples
 from kit.data.store import AUTO_SHARDS
-from kit.errors import KitError
+from kit.errors import DataError, KitError
 from kit.families import get_family
 from kit.io import write_json
 from kit.methods import get_method, unread_keys
@@ -217,6 +218,13 @@ def plan(
     cfg = from_dict(flat)
     fam = get_family(fam_name, cfg)
     samples = load_samples(cfg.data, fam)
+    # A file whose header reads but whose pixels do not (cut short) is left out by the cache:
+    # the plan counts what trains.
+    unreadable = undecodable(samples, cfg.data)
+    samples = [s for s in samples if Path(s.image) not in unreadable]
+    if not samples:
+        first = next(iter(unreadable.values()))
+        raise DataError(f"no image of the dataset decodes ({first})")
     seen = views(cfg.data)
     # Prior (regularisation) images train too, but the plan is sized by what is taught.
     taught = [s for s in samples if not seen[s.dataset].prior] or samples
@@ -387,6 +395,7 @@ def plan(
         "buckets": {group_name(k): c for k, c in sorted(counts.items())},
         "datasets": {v.name: sum(s.dataset == v.index for s in samples) for v in seen},
         "distinct_captions": len(set(captions)),
+        "unreadable": {str(k): v for k, v in unreadable.items()},
         "median_short_side": short,
         "prompt_groups": prompts,
     }

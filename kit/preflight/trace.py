@@ -331,7 +331,8 @@ def trace(cfg: Config, shape: Shape) -> dict[str, Any]:
     quantizable = quant_inventory(parts, family, weight_dtype, resident)  # before an adapter
     waiting_quantizable = waiting_inventory(resident, weight_dtype)
     method = get_method(cfg, family)
-    learned = method.mark_trainable(parts).trainable
+    with torch.device("meta"):  # peft makes an adapter's layers on the CPU otherwise
+        learned = method.mark_trainable(parts).trainable
     trained = [p for m in parts.values() for p in m.parameters() if p.requires_grad]
     for p in trained:
         p.data = p.data.float()  # trained weights stay fp32, as in kit.train.loop

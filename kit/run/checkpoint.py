@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kit.errors import KitError, disk_errno, disk_problem
-from kit.io import note_written
+from kit.io import note_written, share
 from kit.run.folder import RunDir, step_of
 
 MARKER = "COMPLETE"
@@ -235,6 +235,7 @@ def save_checkpoint(
             f"could not write the checkpoint of step {step} ({why}); the partial one was "
             f"removed; {kept}"
         ) from None
+    share(tmp)  # safetensors writes its files 0600: a checkpoint is shared as any file
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)

@@ -39,6 +39,7 @@ from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.preserve import Preserver, check_preservation, check_triggers
 from kit.train.resume import check_resume, check_shape, restore
+from kit.train.sizes import refuse_impossible_sizes
 from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
 from kit.train.step import check_compile, compile_denoiser
@@ -62,6 +63,7 @@ def prepare(
     check_preservation(cfg, method)
     # A base that is missing, gated or of another family: one line, before any scan or cache.
     check_base(family, cfg.model.pretrained_model, cfg.model.revision)
+    refuse_impossible_sizes(cfg)  # before anything loads: else the system kills the process
     _refuse_deepspeed_with_several_models(method)
     _refuse_under_fsdp(cfg, method)
     accelerator, precision = make_accelerator(cfg, run, unused_parameters=method.leaves_unused)

@@ -81,15 +81,18 @@ def add_sample(
 def add_controls(
     report: ScanReport,
     cfg: DataConfig,
-    controls: list[tuple[str, Blob | None, bytes | memoryview]],
+    controls: list[tuple[str, Blob | None, bytes | memoryview | str]],
     where: str = "",
 ) -> None:
     """Give the sample just recorded its controls, each (what names it, its Blob or None when
-    the row or key has none, its bytes): a sample whose control is missing or cannot be read is
-    moved to `report.skipped`, the control named, as a folder's unpaired target is."""
+    the row or key has none, its bytes, or why its file cannot be read): a sample whose control
+    is missing or cannot be read is moved to `report.skipped`, the control named, as a folder's
+    unpaired target is."""
     sample = report.samples[-1]
     for name, blob, data in controls:
-        if blob is None or not len(data):
+        if isinstance(data, str):
+            why = f"unreadable control image {name}: {data}{where}"
+        elif blob is None or not len(data):
             why = f"no control image {name}{where}"
         else:
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from kit.data.blob import Blob, open_dataset, read_range, sha256
@@ -13,6 +14,7 @@ from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources import index
 from kit.data.sources.common import add_controls, add_sample
+from kit.data.streamed import first_line
 from kit.errors import DataError
 
 BLOCK = 10_000
@@ -38,6 +40,9 @@ def scan_hf(view: DatasetView) -> ScanReport:
                 f"hf_dataset {name} ({split}) has no column {column!r} "
                 f"(its columns: {', '.join(ds.column_names)}); set {key}"
             )
+    for key, column in wanted:
+        if column in ds.column_names:
+            _check_kind(ds, name, split, key, column)
     kind = type(ds.features.get(entry.image_column)).__name__
     if kind == "Video":  # decoded by `datasets` as a video: the kit reads clips from folders
         raise DataError(
@@ -64,6 +69,30 @@ def scan_hf(view: DatasetView) -> ScanReport:
         for f in dataclasses.fields(ScanReport):
             getattr(report, f.name).extend(getattr(parts[rows], f.name))
     return report
+
+
+def _check_kind(ds: Any, name: str, split: str, key: str, column: str) -> None:
+    """Refuse an image, mask or control column that holds neither images, bytes nor paths (a
+    column of numbers, lists...), naming it; a caption column may hold anything."""
+    if key == "caption_column":
+        return
+    kind = ds.data.schema.field(column).type
+    if kind.num_fields > 0:
+        if {"bytes", "path"} <= {kind.field(i).name for i in range(kind.num_fields)}:
+            return
+    elif pa_kind(kind) in ("binary", "string"):
+        return
+    raise DataError(
+        f"hf_dataset {name} ({split}): {key} {column!r} holds {kind} values, not images, image "
+        f"bytes or paths; set {key} to a column of images (its columns: "
+        f"{', '.join(ds.column_names)})"
+    )
+
+
+def pa_kind(kind: Any) -> str:
+    """An Arrow type as binary, string or other (large and view types alike)."""
+    text = str(kind).removeprefix("large_").removesuffix("_view")
+    return text if text in ("binary", "string") else "other"
 
 
 def _identity(ds: Any) -> list[Any] | None:
@@ -96,14 +125,23 @@ def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
     for chunk in images.chunks:
         struct = chunk.type.num_fields > 0
         for i in range(len(chunk)):
-            data = _cell(chunk, i, struct)
-            text = None if captions is None else captions[row - rows[0]]
-            blob = Blob(f"{label}[{row}]", sha256(data), start=row, size=len(data), table=cell)
-            at = row - rows[0]
+            at, here = row - rows[0], f"{label}[{row}]"
+            try:
+                data = _cell(chunk, i, struct, here, entry.image_column)
+            except DataError as e:
+                report.unreadable.append((Path(here), str(e)))
+                row += 1
+                continue
+            text = None if captions is None else captions[at]
+            blob = Blob(here, sha256(data), start=row, size=len(data), table=cell)
             if add_sample(report, cfg, blob, data, None if text is None else str(text).strip()):
-                if masks is not None:
-                    report.samples[-1].mask = masks[at][0]
-                if controls:
+                mask = masks[at] if masks is not None else (None, b"")
+                if isinstance(mask[1], str):  # its mask's file cannot be read
+                    report.samples.pop()
+                    report.unreadable.append((Path(here), f"mask {mask[1]}"))
+                elif masks is not None:
+                    report.samples[-1].mask = mask[0]
+                if controls and not isinstance(mask[1], str):
                     found = [
                         (f"in column {c!r} of row {row}", *col[at])
                         for c, col in zip(entry.control_column, controls, strict=True)
@@ -115,34 +153,45 @@ def _scan_rows(ds: Any, view: DatasetView, rows: tuple[int, int]) -> ScanReport:
 
 def _blobs(
     table: Any, entry: Any, column: str, first: int
-) -> list[tuple[Blob, bytes | memoryview]]:
+) -> list[tuple[Blob | None, bytes | memoryview | str]]:
     """Each row's image of another column (a mask, a control) as a Blob read lazily (its digest
-    taken now), with its bytes for a header read (empty for a row without one)."""
-    out: list[tuple[Blob, bytes | memoryview]] = []
+    taken now), with its bytes for a header read (empty for a row without one); a row whose
+    file cannot be read gives None and why."""
+    out: list[tuple[Blob | None, bytes | memoryview | str]] = []
     cell = (entry.hf_dataset, entry.split, column)
     row = first
     for chunk in table.column(column).chunks:
         struct = chunk.type.num_fields > 0
         for i in range(len(chunk)):
-            data = _cell(chunk, i, struct)
             name = f"{entry.source_name()}[{row}].{column}"
-            blob = Blob(name, sha256(data), start=row, size=len(data), table=cell)
-            out.append((blob, data))
+            try:
+                data = _cell(chunk, i, struct, name, column)
+            except DataError as e:
+                out.append((None, str(e)))
+            else:
+                out.append((Blob(name, sha256(data), start=row, size=len(data), table=cell), data))
             row += 1
     return out
 
 
-def _cell(chunk: Any, i: int, struct: bool) -> bytes | memoryview:
+def _cell(chunk: Any, i: int, struct: bool, name: str, column: str) -> bytes | memoryview:
     """One row's image bytes, without a copy where the table holds them: an Image column's bytes
-    (else the file its path names), a binary column's value, or the file a string column names."""
+    (else the file its path names), a binary column's value, or the file a string column names;
+    a DataError naming the row and the file when that file cannot be read."""
     if struct:
         value = chunk.field("bytes")[i]
         if value.is_valid:
             return memoryview(value.as_buffer())
         path = chunk.field("path")[i].as_py()
-    elif str(chunk.type) in ("string", "large_string"):
+    elif pa_kind(chunk.type) == "string":
         path = chunk[i].as_py()
     else:
         value = chunk[i]
         return memoryview(value.as_buffer()) if value.is_valid else b""
-    return read_range(path) if path else b""
+    try:
+        return read_range(path) if path else b""
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else first_line(e)
+        raise DataError(
+            f"{name} column {column}: {path!r} cannot be read as a file: {why}"
+        ) from None

@@ -142,7 +142,11 @@ def _scan_batch(
             continue
         tag = content_tag(listing[p])
         if not tag or _needs_whole(head, size, cfg):
-            head = fs.cat_file(p)  # the whole object: its header is longer than read
+            try:
+                head = fs.cat_file(p)  # the whole object: its header is longer than read
+            except Exception as e:  # noqa: BLE001 (the store's own errors too: a read lost)
+                report.unreadable.append((Path(name), f"cannot be read: {type(e).__name__}: {e}"))
+                continue
             tag = tag or sha256(head)
         raw = texts.get(cap)
         if isinstance(raw, BaseException):

@@ -66,6 +66,13 @@ def _open(shard: str) -> IO[bytes]:
         raise DataError(f"shard {shard} not found") from None
     except (OSError, ValueError) as e:
         raise DataError(f"shard {shard} cannot be opened: {e}") from None
+    except DataError:
+        raise
+    except Exception as e:  # the store's library could not reach its service
+        raise DataError(
+            f"shard {shard} cannot be reached ({type(e).__name__}: {e}); check the network and "
+            "the credentials in the environment"
+        ) from None
 
 
 def split_key(member: str) -> tuple[str, str]:
