@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from kit.errors import KitError
+from kit.families import adapter_keys
 
 KOHYA_PREFIX = "lora_unet"
 """sd-scripts' key prefix, which ComfyUI accepts for every weight of its model."""
@@ -180,28 +181,6 @@ def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------ LoRA
 
 
-def _lora_modules(peft_state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """peft LoRA keys grouped by module: {module: {"A": down, "B": up}}."""
-    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for key, value in peft_state.items():
-        for part in ("A", "B"):
-            suffix = f".lora_{part}.weight"
-            if key.endswith(suffix):
-                modules[key.removesuffix(suffix)][part] = value
-                break
-        else:
-            if key.endswith(".lora_magnitude_vector"):
-                raise KitError(
-                    f"{key}: DoRA has no exact form in FLUX.2's fused qkv (a fused weight's "
-                    "parts would need the base weight's norms); export DoRA in the diffusers layout"
-                )
-            raise KitError(f"{key}: not a LoRA weight (lora_A / lora_B) this layout can hold")
-    for module, parts in modules.items():
-        if set(parts) != {"A", "B"}:
-            raise KitError(f"{module}: LoRA weights need both lora_A and lora_B")
-    return modules
-
-
 def _kohya_readable(bfl: str, module: str) -> None:
     """Refuse a module diffusers' sd-scripts FLUX.2 reader would drop (ComfyUI reads it; a file
     that loads in one client and silently loses weights in the other is not written)."""
@@ -222,7 +201,9 @@ def kohya_lora(peft_state: Mapping[str, torch.Tensor], alpha: float) -> dict[str
     each part's scale (a part of another rank carries the difference in its up block).
     """
     groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = defaultdict(list)
-    for module, parts in sorted(_lora_modules(peft_state).items()):
+    for module, parts in sorted(
+        adapter_keys.fused_lora_modules(peft_state, "FLUX.2's fused qkv").items()
+    ):
         down, up = parts["A"], parts["B"]
         if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
             raise KitError(
