@@ -41,6 +41,7 @@ import torch
 
 from kit.errors import KitError
 from kit.families import adapter_keys
+from kit.families.flux import layout as flux_layout
 
 KOHYA_PREFIX = "lora_unet"
 """sd-scripts' key prefix, which ComfyUI accepts for every weight of its model."""
@@ -82,14 +83,9 @@ _TOP: dict[str, str] = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",
     "proj_out": "final_layer.linear",
 }
-# RMSNorm scales of the attention: diffusers `<module>.weight` → BFL `<module>.scale`.
-_DOUBLE_NORMS = {
-    "attn.norm_q": "img_attn.norm.query_norm",
-    "attn.norm_k": "img_attn.norm.key_norm",
-    "attn.norm_added_q": "txt_attn.norm.query_norm",
-    "attn.norm_added_k": "txt_attn.norm.key_norm",
-}
-_SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+# RMSNorm scales of the attention: diffusers `<module>.weight` → BFL `<module>.scale`, named
+# as in FLUX.1's blocks.
+_DOUBLE_NORMS, _SINGLE_NORMS = flux_layout.DOUBLE_NORMS, flux_layout.SINGLE_NORMS
 
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 _KINDS = {
