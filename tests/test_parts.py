@@ -35,6 +35,13 @@ def test_the_cached_encoders_are_the_tables(name):
     )
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_trainable_encoders_are_those_clients_load_adapters_for(name):
+    cls = family_class(name)
+    trainable = [p for p in cls.parts if p.role == "text_encoder" and p.trainable]
+    assert len(trainable) == len(cls.kohya_text_prefixes)
+
+
 def test_the_dit_families_share_the_flow_base():
     flow = [n for n in FAMILIES if issubclass(family_class(n), FlowFamily)]
     assert len(flow) >= 9

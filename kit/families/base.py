@@ -48,7 +48,8 @@ def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tens
 
 
 class Family(PartTable, FamilyExports, ABC):
-    """One model architecture. Subclass, set the class attributes, register with `@register`."""
+    """One model architecture. Subclass (a flow-matching DiT: `FlowFamily`), declare `parts`
+    (`kit.families.parts`), set the class attributes, register with `@register`."""
 
     name: str = ""
     """The `model_family` value that selects this family."""
