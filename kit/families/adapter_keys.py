@@ -160,3 +160,29 @@ def offset_aliases(
             (key, offset, rows, swap) if shared[original] > 1 or swap or offset else key
         )
     return out
+
+
+def fused_lora_modules(
+    peft_state: dict[str, torch.Tensor], layout: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    """peft LoRA keys grouped by module, {module: {"A": down, "B": up}}, for a layout that
+    fuses modules (`layout` names it), where DoRA has no exact form: a fused weight's parts
+    would need the base weight's norms."""
+    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for key, value in peft_state.items():
+        for part in ("A", "B"):
+            suffix = f".lora_{part}.weight"
+            if key.endswith(suffix):
+                modules[key.removesuffix(suffix)][part] = value
+                break
+        else:
+            if key.endswith(f".{MAGNITUDE}"):
+                raise KitError(
+                    f"{key}: DoRA has no exact form in {layout} (a fused weight's parts would "
+                    "need the base weight's norms); export DoRA in the diffusers layout"
+                )
+            raise KitError(f"{key}: not a LoRA weight (lora_A / lora_B) this layout can hold")
+    for module, parts in modules.items():
+        if set(parts) != {"A", "B"}:
+            raise KitError(f"{module}: LoRA weights need both lora_A and lora_B")
+    return modules

@@ -7,9 +7,7 @@ family's name.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,11 +16,10 @@ from torch import nn
 
 from kit.config import Config
 from kit.errors import KitError
+from kit.families import tiny
 from kit.families.drawing import Drawing
 from kit.families.exports import FamilyExports
 from kit.families.identity import (
-    DtypeSpec,
-    PartSource,
     base_identity,
     check_layout,
     model_source,
@@ -30,68 +27,18 @@ from kit.families.identity import (
     require_tokenizers,
     single_file,
 )
-from kit.families.noise import (
-    NoiseDraw,
-    ddpm_noise_and_target,
-    flow_noise_and_target,
-    flow_sampling,
-)
+from kit.families.noise import NoiseDraw, ddpm_noise_and_target
+from kit.families.parts import PARTS, Components, PartTable, frozen
 from kit.families.samplers import DEFAULT, check_validation
 from kit.families.samplers import (
     ImageSpec as ImageSpec,  # re-exported: families and tests import it here
 )
 from kit.families.shipped import SHIPPED
 
+__all__ = ["PARTS", "Components", "Family", "NoiseDraw", "frozen", "posterior_latent"]
+
 if TYPE_CHECKING:
     from PIL import Image
-
-
-@dataclass
-class Components:
-    """The loaded parts of a base model."""
-
-    denoiser: nn.Module | None
-    vae: nn.Module | None
-    """None when loaded without it (training from a full cache needs no VAE)."""
-    text_encoders: list[nn.Module]
-    """Empty when loaded without them (tokenizers are always there)."""
-    tokenizers: list[Any]
-    noise_scheduler: Any
-    source: str
-    identity: dict[str, str] = field(default_factory=dict)
-    """Part name → a fingerprint of its weights, used to key caches."""
-    subfolders: dict[str, str] = field(default_factory=dict)
-    """Each loaded module's diffusers subfolder, which is also its pipeline argument's name:
-    `denoiser`, `vae`, and `text_encoders.<i>` → e.g. `unet`, `vae`, `text_encoder_2`."""
-
-    def frozen_modules(self) -> list[nn.Module]:
-        """Every loaded module of the base model."""
-        return [m for m in (self.denoiser, self.vae, *self.text_encoders) if m is not None]
-
-    def missing_parts(self) -> tuple[str, ...]:
-        """The parts (of `PARTS`) that were not loaded."""
-        have = (self.denoiser is not None, self.vae is not None, bool(self.text_encoders))
-        return tuple(p for p, loaded in zip(PARTS, have, strict=True) if not loaded)
-
-    def take_parts(self, other: Components) -> None:
-        """Fill the parts this lacks from `other` (a later, partial load of the same model)."""
-        if self.vae is None:
-            self.vae = other.vae
-        if not self.text_encoders:
-            self.text_encoders = other.text_encoders
-        if self.denoiser is None:
-            self.denoiser = other.denoiser
-
-
-PARTS = ("denoiser", "vae", "text_encoders")
-"""The loadable parts of a base model; the scheduler and tokenizers always load."""
-
-
-def frozen(*modules: nn.Module | None) -> None:
-    """Freeze and switch to eval mode every given (loaded) module."""
-    for m in modules:
-        if m is not None:
-            m.requires_grad_(False).eval()
 
 
 def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tensor:
@@ -104,8 +51,9 @@ def posterior_latent(dist: Any, generator: torch.Generator | None) -> torch.Tens
     return mean + dist.std * noise.to(mean)
 
 
-class Family(FamilyExports, Drawing, ABC):
-    """One model architecture. Subclass, set the class attributes, register with `@register`."""
+class Family(PartTable, FamilyExports, Drawing, ABC):
+    """One model architecture. Subclass (a flow-matching DiT: `FlowFamily`), declare `parts`
+    (`kit.families.parts`), set the class attributes, register with `@register`."""
 
     name: str = ""
     """The `model_family` value that selects this family."""
@@ -245,8 +193,6 @@ class Family(FamilyExports, Drawing, ABC):
 
     # ------------------------------------------------------------ loading
 
-    text_subfolders: tuple[str, ...] = ("text_encoder",)
-    """Subfolders of the text encoders whose embeddings are cached."""
     quantized_text_encoders: tuple[str, ...] = ()
     """Subfolders of the text encoders that `base_quantization` stores quantized too, beside
     the denoiser: the T5s, large and only ever read frozen (the CLIPs are small)."""
@@ -256,23 +202,6 @@ class Family(FamilyExports, Drawing, ABC):
     """Key endings that show a file holds another family's denoiser (SDXL's among SD files)."""
     file_text_prefixes: tuple[str, ...] = ()
     """Key prefix of each text encoder (in `load`'s order) in a whole checkpoint file."""
-
-    @abstractmethod
-    def load(
-        self,
-        pretrained: str,
-        *,
-        revision: str | None = None,
-        variant: str | None = None,
-        dtype: DtypeSpec = torch.float32,
-        parts: tuple[str, ...] = PARTS,
-    ) -> Components:
-        """Load the base model's parts with diffusers / transformers `from_pretrained`, or from
-        one checkpoint file with diffusers' single-file converters (`model_source`).
-
-        Only the `parts` named (of `PARTS`) are loaded; the others are None (or no encoders).
-        Each loads straight in its dtype (`part_dtype`), never in fp32 first.
-        """
 
     def model_source(self, pretrained: str, tokenizers: tuple[str, ...] = ()) -> str:
         """Where the configs, tokenizers, scheduler and any part a single file lacks are read:
@@ -284,61 +213,27 @@ class Family(FamilyExports, Drawing, ABC):
             require_tokenizers(source, pretrained, tokenizers)
         return source
 
+    def pipeline_type(self) -> type:
+        """The diffusers pipeline class named by `pipeline_class`."""
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
     def base_pipeline(self, dtype: torch.dtype = torch.float32) -> Any:
         """The configured base as a plain diffusers pipeline in `dtype`, whatever its source:
         `from_pretrained` of its folder or hub id, with the single file's parts (and
         `vae_model`) passed in, as a diffusers user would build it."""
-        import diffusers
-
         m = self.cfg.model
         wanted = PARTS if single_file(m.pretrained_model) else ("vae",) if m.vae_model else ()
         loaded = wanted and self.load(
             m.pretrained_model, revision=m.revision, variant=m.variant, dtype=dtype, parts=wanted
         )
-        return getattr(diffusers, self.pipeline_class).from_pretrained(
+        return self.pipeline_type().from_pretrained(
             self.model_source(m.pretrained_model),
             revision=m.revision,
             variant=m.variant,
             dtype=dtype,
             **{**self.pipeline_kwargs, **pipeline_parts(loaded)},
-        )
-
-    def load_parts(
-        self,
-        pretrained: str,
-        parts: tuple[str, ...],
-        *,
-        revision: str | None,
-        variant: str | None,
-        dtype: DtypeSpec,
-        denoiser: tuple[Any, str],
-        vae: tuple[Any, str],
-        encoders: list[tuple[Any, str]],
-        tokenizers: list[Any],
-        scheduler: Any,
-    ) -> Components:
-        """Components with only `parts` loaded, each frozen; what `load` does in every family.
-
-        `denoiser`, `vae` and each of `encoders` are (class, subfolder): diffusers classes take
-        the dtype as `torch_dtype`, transformers classes as `dtype`. A single-file base gives
-        each part it holds through diffusers' converters, the rest from `model_source`;
-        `vae_model` replaces the VAE.
-        """
-        src = PartSource(pretrained, self, revision=revision, variant=variant, needed=bool(parts))
-        prefixes = [*self.file_text_prefixes, *[None] * len(encoders)]
-        text = [
-            src.read(cls, sub, sub, prefix, dtype)
-            for (cls, sub), prefix in zip(encoders, prefixes, strict=False)
-            if "text_encoders" in parts
-        ]
-        model = src.read(*denoiser, "denoiser", "denoiser", dtype) if "denoiser" in parts else None
-        autoencoder = src.read(*vae, "vae", "vae", dtype) if "vae" in parts else None
-        frozen(*text, autoencoder, model)
-        names = {"denoiser": denoiser[1], "vae": vae[1]}
-        names.update({f"text_encoders.{i}": sub for i, (_, sub) in enumerate(encoders)})
-        identity = self.identity(pretrained, revision)
-        return Components(
-            model, autoencoder, text, tokenizers, scheduler, src.source, identity, names
         )
 
     def identity(self, pretrained: str, revision: str | None = None) -> dict[str, str]:
@@ -360,10 +255,6 @@ class Family(FamilyExports, Drawing, ABC):
     def identity_extras(self, pretrained: str, revision: str | None) -> Any:
         """Settings besides the encoders that change cached text embeddings (e.g. a T5 length)."""
         return None
-
-    @abstractmethod
-    def load_tokenizers(self, pretrained: str) -> dict[str, Any]:
-        """Text encoder name → its tokenizer (cheap: no weights)."""
 
     def token_limit(self, encoder: str, tokenizer: Any) -> int:
         """Tokens the family feeds this encoder (special tokens included); the rest is cut off."""
@@ -395,32 +286,6 @@ class Family(FamilyExports, Drawing, ABC):
         """
 
     # ------------------------------------------------------------ training
-
-    def flow_shift(self, scheduler_config: Any, height: int, width: int) -> float:
-        """σ shift for latents of this size (latent pixels): the configured `flow_shift`, else
-        the scheduler's: its fixed `shift`, or with dynamic shifting the `mu` its pipeline
-        computes for the packed 2×2 sequence length (`dynamic_mu`), a σ shift by e^mu for the
-        exponential time shift and by mu for the linear one."""
-        if self.cfg.objective.flow_shift > 0:
-            return float(self.cfg.objective.flow_shift)
-        if not scheduler_config.get("use_dynamic_shifting", False):
-            return float(scheduler_config.get("shift", 1.0))
-        mu = self.dynamic_mu(scheduler_config, (height // 2) * (width // 2))
-        return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
-
-    def dynamic_mu(self, scheduler_config: Any, tokens: int) -> float:
-        """The `mu` a dynamically shifting pipeline sets for `tokens` image tokens: diffusers'
-        `calculate_shift`, the line through (base_image_seq_len, base_shift) and
-        (max_image_seq_len, max_shift) that Flux, Chroma, Qwen-Image and Z-Image share."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        return calculate_shift(
-            tokens,
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 4096),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
 
     @abstractmethod
     def noise_and_target(
@@ -482,74 +347,7 @@ class Family(FamilyExports, Drawing, ABC):
             max_timestep=o.max_timestep,
         )
 
-    def flow_draw(
-        self, comps: Components, latents: torch.Tensor, generator: torch.Generator, shift: float
-    ) -> NoiseDraw:
-        """`flow_noise_and_target` with the run's objective settings and σ shifted by `shift`
-        (for flow-matching families), weighted as diffusers' SD3 training weights the loss."""
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-        o = self.cfg.objective
-        steps = comps.noise_scheduler.config.num_train_timesteps
-        draw = flow_noise_and_target(
-            latents,
-            generator,
-            sampling=flow_sampling(o.timestep_sampling, o.loss_weighting),
-            logit_mean=o.logit_mean,
-            logit_std=o.logit_std,
-            mode_scale=o.mode_scale,
-            shift=shift,
-            num_train_timesteps=steps,
-            min_timestep=o.min_timestep,
-            max_timestep=o.max_timestep,
-        )
-        if o.loss_weighting != "none":
-            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
-        return draw
-
     # ------------------------------------------------------------ memory estimate
-
-    @abstractmethod
-    def empty_parts(self, pretrained: str) -> dict[str, nn.Module]:
-        """The parts built from their configs on the meta device: shapes only, no weights."""
-
-    def empty_from_configs(
-        self,
-        pretrained: str,
-        *,
-        denoiser: tuple[Any, str],
-        vae: tuple[Any, str],
-        encoders: list[tuple[Any, str]],
-        include_buffers: bool | None = None,
-    ) -> dict[str, nn.Module]:
-        """What `empty_parts` does in every family: `denoiser`, `vae` and each of `encoders` are
-        (class, subfolder) as for `load_parts`; text encoders are keyed by their subfolder.
-
-        `include_buffers` puts buffers on the meta device too (None: accelerate's default).
-        """
-        from accelerate import init_empty_weights
-
-        pretrained = self.model_source(pretrained)
-        configs = [
-            (cls, cls.load_config(pretrained, subfolder=sub)) for cls, sub in (denoiser, vae)
-        ]
-        text = {
-            sub: (cls, cls.config_class.from_pretrained(pretrained, subfolder=sub))
-            for cls, sub in encoders
-        }
-        with init_empty_weights(include_buffers=include_buffers):
-            (dn_cls, dn_cfg), (vae_cls, vae_cfg) = configs
-            parts = {
-                "denoiser": dn_cls.from_config(dn_cfg),
-                "vae": vae_cls.from_config(vae_cfg),
-                **{sub: cls(cfg) for sub, (cls, cfg) in text.items()},
-            }
-        # `from_pretrained` ties shared weights (T5's token embedding is one tensor under two
-        # names); a bare constructor does not, which would count it twice. Tying must happen
-        # outside `init_empty_weights`, which re-creates every parameter assigned inside it.
-        for sub in text:
-            parts[sub].tie_weights()
-        return parts
 
     @abstractmethod
     def denoiser_inputs(
@@ -562,3 +360,10 @@ class Family(FamilyExports, Drawing, ABC):
     @abstractmethod
     def make_tiny(self, out_dir: str | Path, seed: int = 0) -> Path:
         """Write a tiny random-init copy of this architecture in diffusers layout."""
+
+    def save_tiny(self, out_dir: str | Path, *built: Any, **extra: Any) -> Path:
+        """Save a tiny `pipeline_type` pipeline whose parts are `built`, in the table's order,
+        with `extra` arguments of its constructor."""
+        names = [p.name for p in self.parts]
+        parts = dict(zip(names, built, strict=True))
+        return tiny.save_pipeline(self.pipeline_type()(**parts, **extra), out_dir)

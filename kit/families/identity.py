@@ -385,7 +385,7 @@ def part_dtype(dtype: DtypeSpec, part: str) -> torch.dtype:
 
 
 class PartSource:
-    """Where a family's `load_parts` reads each part of a base: a single file's own tensors
+    """Where a family's `load` reads each part of a base: a single file's own tensors
     where the file holds the part (through diffusers' converters), else `source` with
     `from_pretrained`; the configured `vae_model` in place of the VAE.
 

@@ -177,6 +177,81 @@ def autoencoder_kl(**sizes: Any) -> Any:
     )
 
 
+def flux_vae() -> Any:
+    """The tiny VAE of Flux.1's layout (16 latent channels, no quant convs) with its latent
+    shift and scale, which Chroma and Z-Image use too."""
+    return autoencoder_kl(
+        block_out_channels=(16, 32, 32, 32),
+        latent_channels=16,
+        sample_size=64,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.1159,
+        scaling_factor=0.3611,
+    )
+
+
+def t5_v11_encoder(tokenizer: Any) -> Any:
+    """A tiny T5 v1.1 encoder (gated GELU), 32 wide, as Flux.1 and Chroma use."""
+    from transformers import T5Config, T5EncoderModel
+
+    config = t5_config_kwargs(
+        tokenizer,
+        d_model=32,
+        relative_attention_max_distance=32,
+        feed_forward_proj="gated-gelu",
+        is_encoder_decoder=False,
+    )
+    return T5EncoderModel(T5Config(**config))
+
+
+def flux_transformer_sizes(**overrides: Any) -> dict[str, Any]:
+    """A tiny Flux.1-style transformer's sizes (one double- and one single-stream block, two
+    16-wide heads, 16 latent channels packed 2×2, 32-wide text), which Chroma's and FLUX.2's
+    share; `overrides` win."""
+    return {
+        "patch_size": 1,
+        "in_channels": 64,  # 16 latent channels × a 2×2 patch
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": 32,
+        "axes_dims_rope": (4, 4, 8),  # sums to attention_head_dim
+        **overrides,
+    }
+
+
+def dynamic_flow_scheduler() -> Any:
+    """FLUX.1-dev's flow scheduler: shift 3, resolution-dependent (dynamic) shifting between
+    0.5 and 1.15 over 256 to 4096 tokens (Chroma's and FLUX.2's too)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000,
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+
+
+def wan_vae(cls: str = "AutoencoderKLWan") -> Any:
+    """The tiny 3D causal VAE of diffusers' own Wan pipeline tests (8x, as the release) as the
+    diffusers class `cls` (Qwen-Image's is this VAE, used on single frames)."""
+    import diffusers
+
+    return getattr(diffusers, cls)(
+        base_dim=3,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+
+
 def save_pipeline(pipe: Any, out_dir: str | Path) -> Path:
     """Save a tiny pipeline (safetensors) into `out_dir`, all at once or not at all."""
     with atomic_dir(out_dir) as tmp_dir:

@@ -17,40 +17,31 @@ import torch
 
 from kit.errors import ConfigError
 from kit.families import adapter_keys, register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.chroma import layout as chroma_layout
+from kit.families.flow import JOINT_ATTENTION, FlowFamily
 
 # ChromaPipeline packs its latents with FluxPipeline's own code (the tests compare the inputs).
 from kit.families.flux.family import pack_latents, unpack_latents
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import DEFAULT
 
 if TYPE_CHECKING:
     from kit.config import Config
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # ChromaPipeline's default T5 length
-
 
 @register
-class Chroma(Family):
+class Chroma(FlowFamily):
     """Chroma1-HD and Chroma1-Base: one architecture, told apart by the release's name."""
 
     name = "chroma"
+    bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
     # The pipeline hands its scheduler custom sigmas, which only these schedulers take.
     samplers = (DEFAULT, "flow_euler", "flow_unipc")
     size_multiple = 16
     native_resolution = 1024
     hub_id = "lodestones/Chroma1-HD"
     bucket_step = 64
-    default_lora_targets = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    default_lora_targets = JOINT_ATTENTION
     pipeline_class = "ChromaPipeline"
     # True CFG against the negative prompt (ChromaPipeline's default scale; no guidance input).
     default_guidance_scale = 5.0
@@ -76,6 +67,8 @@ class Chroma(Family):
         "neither written in a client's form nor verified"
     )
 
+    original_layout = staticmethod(chroma_layout.to_original)
+
     def kohya_state_dict(self, state, alpha):
         # One LoRA per fused original weight (q, k, v → qkv; + the MLP input in single blocks).
         return chroma_layout.kohya_lora(state, alpha)
@@ -89,19 +82,8 @@ class Chroma(Family):
         # its LoRA loader also takes diffusers' names through `flux_to_diffusers`).
         t = comps.denoiser
         config = dict(t.config)
-        model = adapter_keys.prefixed(
-            "diffusion_model.", chroma_layout.to_original(t.state_dict(), config)
-        )
+        model = adapter_keys.prefixed("diffusion_model.", self.original_state(t))
         return {"ComfyUI": (model, chroma_layout.comfy_aliases(config))}
-
-    def single_file_state_dict(self, comps):
-        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
-        # model beside the base's own T5 and VAE.
-        t = comps.denoiser
-        return chroma_layout.to_original(t.state_dict(), dict(t.config))
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("ChromaTransformer2DModel", path, config_source)
 
     def variant_of(self, pretrained: str) -> str:
         # HD is a fine-tune of Base with the same configs; only the release's name tells them
@@ -114,22 +96,18 @@ class Chroma(Family):
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
-        step = self.cfg.data.bucket_step
-        if step % 16:
-            # Packing needs an even latent side: 2 × the VAE's 8x.
-            raise ConfigError(
-                f"bucket_step: {step} must be a multiple of 16 for chroma (64 is usual)"
-            )
         if not self.cfg.model.use_t5:
             raise ConfigError("use_t5: chroma's only text encoder is T5; set it to true")
 
-    def max_sequence_length(self) -> int:
-        """T5 tokens per caption: the configured length, else ChromaPipeline's default."""
-        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
-
     # ------------------------------------------------------------ loading
 
-    text_subfolders = ("text_encoder",)
+    parts = (
+        denoiser("ChromaTransformer2DModel"),
+        vae(),
+        *text("T5EncoderModel", "T5TokenizerFast"),
+        scheduler(),
+    )
+
     quantized_text_encoders = ("text_encoder",)  # T5-XXL
     # The approximator is what tells a Chroma file from a Flux.1 one (diffusers tests the same).
     single_file_markers = (
@@ -137,47 +115,6 @@ class Chroma(Family):
         "distilled_guidance_layer.in_proj.bias",
     )
     file_text_prefixes = ("text_encoders.t5xxl.",)
-
-    def identity_extras(self, pretrained, revision):
-        # The T5 length changes the cached embeddings and masks, so it is part of their key.
-        return self.max_sequence_length()
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import (
-            AutoencoderKL,
-            ChromaTransformer2DModel,
-            FlowMatchEulerDiscreteScheduler,
-        )
-        from transformers import T5EncoderModel
-
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(ChromaTransformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(T5EncoderModel, "text_encoder")],
-            tokenizers=list(self._tokenizers(pretrained, revision).values()),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return self._tokenizers(pretrained, None)
-
-    def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
-        from transformers import T5TokenizerFast
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        tokenizer = T5TokenizerFast.from_pretrained(
-            source, subfolder="tokenizer", revision=revision
-        )
-        return {"text_encoder": tokenizer}
 
     def token_limit(self, encoder, tokenizer):
         return self.max_sequence_length()
@@ -198,19 +135,7 @@ class Chroma(Family):
         )
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        latents = posterior_latent(dist, generator)
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
-
     # ------------------------------------------------------------ training
-
-    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        config = comps.noise_scheduler.config
-        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
-        return self.flow_draw(comps, latents, generator, shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         transformer = comps.denoiser
@@ -228,55 +153,18 @@ class Chroma(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        from diffusers import ChromaPipeline
-
-        # A fresh scheduler: sampling changes its state.
-        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return ChromaPipeline(
-            scheduler=scheduler,
-            vae=comps.vae,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=comps.denoiser,
-        )
-
     def call_kwargs(self, spec):
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            # The pipeline encodes None as "": the string is the same call, and recorded.
-            "negative_prompt": spec.negative_prompt,
-            "num_inference_steps": spec.num_inference_steps,
-            "guidance_scale": spec.guidance_scale,  # true CFG when above 1
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length(),
-        }
-        if spec.adapter_scale != 1.0:
-            kwargs["joint_attention_kwargs"] = {"scale": spec.adapter_scale}
+        kwargs = super().call_kwargs(spec)  # guidance: true CFG when above 1
+        # The pipeline encodes None as "": the string is the same call, and recorded.
+        kwargs["negative_prompt"] = spec.negative_prompt
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
 
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKL, ChromaTransformer2DModel
-        from transformers import T5EncoderModel
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(ChromaTransformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(T5EncoderModel, "text_encoder")],
-        )
-
     def denoiser_inputs(self, parts, batch, height, width):
-        transformer, vae = parts["denoiser"], parts["vae"]
-        config = transformer.config
-        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2  # the VAE's factor, then 2×2 packing
+        config = parts["denoiser"].config
         meta = {"device": "meta"}
-        latents = torch.zeros(
-            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
-        )
+        latents = self.packed_meta_latents(parts, batch, height, width)
         seq = self.max_sequence_length()
         kwargs = transformer_inputs(
             latents,
@@ -290,79 +178,19 @@ class Chroma(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            ChromaPipeline,
-            ChromaTransformer2DModel,
-            FlowMatchEulerDiscreteScheduler,
-        )
-        from transformers import T5Config, T5EncoderModel
+        from diffusers import ChromaTransformer2DModel
 
         torch.manual_seed(seed)
         tokenizer = tiny.t5_tokenizer()
-        text_encoder = T5EncoderModel(
-            T5Config(
-                **tiny.t5_config_kwargs(
-                    tokenizer,
-                    d_model=32,
-                    relative_attention_max_distance=32,
-                    feed_forward_proj="gated-gelu",  # T5 v1.1, as Chroma uses
-                    is_encoder_decoder=False,
-                )
-            )
+        text_encoder = tiny.t5_v11_encoder(tokenizer)
+        vae = tiny.flux_vae()
+        sizes = tiny.flux_transformer_sizes(
+            approximator_num_channels=8, approximator_hidden_dim=32, approximator_layers=2
         )
-        vae = tiny.autoencoder_kl(
-            block_out_channels=(16, 32, 32, 32),
-            latent_channels=16,
-            sample_size=64,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.1159,  # the Flux VAE's values
-            scaling_factor=0.3611,
-        )
-        transformer = ChromaTransformer2DModel(
-            patch_size=1,
-            in_channels=64,  # 16 latent channels × a 2×2 patch
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
-            approximator_num_channels=8,
-            approximator_hidden_dim=32,
-            approximator_layers=2,
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(  # Chroma1's, resolution-dependent
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
-        pipe = ChromaPipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            transformer=transformer,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
-
-    # ------------------------------------------------------------ helpers
-
-    def _text_pipeline(self, comps: Components) -> Any:
-        """A ChromaPipeline holding only the text parts (enough for `encode_prompt`)."""
-        from diffusers import ChromaPipeline
-
-        return ChromaPipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=None,
-        )
+        transformer = ChromaTransformer2DModel(**sizes)
+        # Chroma1's scheduler is Flux's, resolution-dependent.
+        scheduler = tiny.dynamic_flow_scheduler()
+        return self.save_tiny(out_dir, transformer, vae, text_encoder, tokenizer, scheduler)
 
 
 def transformer_inputs(

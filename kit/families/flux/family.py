@@ -13,16 +13,16 @@ import torch
 
 from kit.errors import ConfigError
 from kit.families import adapter_keys, register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.base import Components
+from kit.families.flow import JOINT_ATTENTION, FlowFamily
 from kit.families.flux import layout as flux_layout
 from kit.families.identity import part_config
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
     from kit.config import Config
-
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default T5 length
 
 
 def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -42,26 +42,18 @@ def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tenso
 
 
 @register
-class Flux(Family):
+class Flux(FlowFamily):
     """Flux.1 dev (guidance embedding) or schnell (none), read from the transformer's config."""
 
     name = "flux"
+    bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
     # FluxPipeline passes custom sigmas, which the flow Heun scheduler cannot take.
     samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
     size_multiple = 16
     native_resolution = 1024
     hub_id = "black-forest-labs/FLUX.1-dev"
     bucket_step = 64
-    default_lora_targets = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    default_lora_targets = JOINT_ATTENTION
     pipeline_class = "FluxPipeline"
     # Flux dev's distilled guidance, not a CFG scale: FluxPipeline samples with 3.5 by default,
     # and diffusers' and kohya's Flux trainers feed the same 3.5 in training.
@@ -76,6 +68,8 @@ class Flux(Family):
     modelspec_implementation = "https://github.com/black-forest-labs/flux"
     export_formats = ("diffusers", "kohya")
     kohya_dora = False
+
+    original_layout = staticmethod(flux_layout.to_original)
 
     def kohya_state_dict(self, state, alpha):
         # One LoRA per fused BFL weight (q, k, v → qkv; + the MLP input in single blocks).
@@ -92,24 +86,13 @@ class Flux(Family):
         t, clip = comps.denoiser, comps.text_encoders[0]
         config = dict(t.config)
         model = {
-            **adapter_keys.prefixed(
-                "diffusion_model.", flux_layout.to_original(t.state_dict(), config)
-            ),
+            **adapter_keys.prefixed("diffusion_model.", self.original_state(t)),
             **adapter_keys.clip_state(clip, "clip_l.transformer."),
         }
         aliases = adapter_keys.offset_aliases(
             flux_layout.module_map(config), flux_layout.SWAPPED_HALVES
         )
         return {"ComfyUI": (model, aliases)}
-
-    def single_file_state_dict(self, comps):
-        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
-        # model beside the base's own text encoders and VAE.
-        t = comps.denoiser
-        return flux_layout.to_original(t.state_dict(), dict(t.config))
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("FluxTransformer2DModel", path, config_source)
 
     def version_metadata(self) -> dict[str, str]:
         source = config_source(self.model_source(self.cfg.model.pretrained_model))
@@ -121,12 +104,6 @@ class Flux(Family):
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
-        step = self.cfg.data.bucket_step
-        if step % 16:
-            # Packing needs an even latent side: 2 × the VAE's 8x.
-            raise ConfigError(
-                f"bucket_step: {step} must be a multiple of 16 for flux (64 is usual)"
-            )
         if not self.cfg.model.use_t5:
             raise ConfigError("use_t5: flux cannot run without its T5 text encoder; set it to true")
 
@@ -135,60 +112,22 @@ class Flux(Family):
         configured = self.cfg.objective.train_guidance_scale
         return self.default_train_guidance_scale if configured is None else float(configured)
 
-    def max_sequence_length(self) -> int:
-        """T5 tokens per caption: the configured length, else FluxPipeline's default."""
-        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
-
     # ------------------------------------------------------------ loading
 
-    text_subfolders = ("text_encoder", "text_encoder_2")
+    parts = (
+        denoiser("FluxTransformer2DModel"),
+        vae(),
+        *text("CLIPTextModel", "CLIPTokenizer", trainable=True),
+        *text("T5EncoderModel", "T5TokenizerFast", 2),
+        scheduler(),
+    )
+
     quantized_text_encoders = ("text_encoder_2",)  # T5-XXL
     # BFL's transformer file (ComfyUI's diffusion_models); all-in-one files add the encoders.
     single_file_markers = ("double_blocks.0.img_attn.qkv.weight",)
     # Chroma shares the BFL block names; its modulation approximator is its own.
     single_file_excludes = ("distilled_guidance_layer.in_proj.bias",)
     file_text_prefixes = ("text_encoders.clip_l.", "text_encoders.t5xxl.")
-
-    def identity_extras(self, pretrained, revision):
-        # The T5 length changes the cached embeddings, so it is part of their key.
-        return self.max_sequence_length()
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-        from transformers import CLIPTextModel, T5EncoderModel
-
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(FluxTransformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(CLIPTextModel, "text_encoder"), (T5EncoderModel, "text_encoder_2")],
-            tokenizers=list(self._tokenizers(pretrained, revision).values()),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return self._tokenizers(pretrained, None)
-
-    def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
-        from transformers import CLIPTokenizer, T5TokenizerFast
-
-        source = self.model_source(pretrained, ("tokenizer", "tokenizer_2"))
-        return {
-            "text_encoder": CLIPTokenizer.from_pretrained(
-                source, subfolder="tokenizer", revision=revision
-            ),
-            "text_encoder_2": T5TokenizerFast.from_pretrained(
-                source, subfolder="tokenizer_2", revision=revision
-            ),
-        }
 
     def token_limit(self, encoder, tokenizer):
         if encoder == "text_encoder_2":
@@ -207,33 +146,22 @@ class Flux(Family):
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        latents = posterior_latent(dist, generator)
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
-
     # ------------------------------------------------------------ training
-
-    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        config = comps.noise_scheduler.config
-        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
-        return self.flow_draw(comps, latents, generator, shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         transformer = comps.denoiser
         config = getattr(transformer, "module", transformer).config  # unwrapped under DDP
-        kwargs = _transformer_inputs(
-            config,
-            noisy,
-            timesteps,
-            cond["prompt_embeds"],
-            cond["pooled_prompt_embeds"],
-            self.train_guidance_scale(),
-        )
+        kwargs = self.transformer_kwargs(config, noisy, timesteps, cond)
         out = transformer(**kwargs, return_dict=False)[0]
-        return unpack_latents(out, noisy.shape[-2], noisy.shape[-1])
+        h, w = noisy.shape[-2:]
+        # The pipeline keeps the target's tokens of the prediction (a control's come after).
+        return unpack_latents(out[:, : (h // 2) * (w // 2)], h, w)
+
+    def transformer_kwargs(self, config, latents, timesteps, cond) -> dict[str, Any]:
+        """The transformer's arguments for `cond`'s tensors, as the pipeline builds them."""
+        embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        guidance = self.train_guidance_scale()
+        return _transformer_inputs(config, latents, timesteps, embeds, pooled, guidance)
 
     def swap_blocks(self, denoiser):
         # The double-stream blocks run first, then the single-stream ones.
@@ -241,159 +169,61 @@ class Flux(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        clip, t5 = comps.text_encoders
-        tok, tok_2 = comps.tokenizers
-        # A fresh scheduler: sampling changes its state.
-        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return self.pipeline_type()(
-            scheduler=scheduler,
-            vae=comps.vae,
-            text_encoder=clip,
-            tokenizer=tok,
-            text_encoder_2=t5,
-            tokenizer_2=tok_2,
-            transformer=comps.denoiser,
-        )
-
     def call_kwargs(self, spec):
         from diffusers import FluxPipeline
 
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            "num_inference_steps": spec.num_inference_steps,
-            # Flux dev's distilled guidance (an input of the model); schnell ignores it.
-            "guidance_scale": spec.guidance_scale,
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length(),
-        }
+        kwargs = super().call_kwargs(spec)  # guidance: dev's distilled input; schnell ignores it
         if spec.negative_prompt:
             kwargs["negative_prompt"] = spec.negative_prompt
             # A negative prompt acts only through true CFG, which doubles the sampling cost.
             if "true_cfg_scale" in inspect.signature(FluxPipeline.__call__).parameters:
                 kwargs["true_cfg_scale"] = spec.guidance_scale
-        if spec.adapter_scale != 1.0:
-            kwargs["joint_attention_kwargs"] = {"scale": spec.adapter_scale}
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
 
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKL, FluxTransformer2DModel
-        from transformers import CLIPTextModel, T5EncoderModel
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(FluxTransformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(CLIPTextModel, "text_encoder"), (T5EncoderModel, "text_encoder_2")],
-        )
-
     def denoiser_inputs(self, parts, batch, height, width):
-        transformer, vae = parts["denoiser"], parts["vae"]
-        config = transformer.config
-        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2  # the VAE's factor, then 2×2 packing
+        config = parts["denoiser"].config
         meta = {"device": "meta"}
-        latents = torch.zeros(
-            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
-        )
-        seq = self.max_sequence_length()
-        kwargs = _transformer_inputs(
-            config,
-            latents,
-            torch.zeros(batch, **meta),
-            torch.zeros(batch, seq, config.joint_attention_dim, **meta),
-            torch.zeros(batch, config.pooled_projection_dim, **meta),
-            self.train_guidance_scale(),
-        )
+        cond = {
+            "prompt_embeds": torch.zeros(
+                batch, self.max_sequence_length(), config.joint_attention_dim, **meta
+            ),
+            "pooled_prompt_embeds": torch.zeros(batch, config.pooled_projection_dim, **meta),
+            **self.meta_controls(parts, batch, height, width),
+        }
+        latents = self.packed_meta_latents(parts, batch, height, width)
+        kwargs = self.transformer_kwargs(config, latents, torch.zeros(batch, **meta), cond)
         # The packed image tokens go first: the estimator counts positional inputs as block inputs.
         return (kwargs.pop("hidden_states"),), kwargs
+
+    def meta_controls(self, parts, batch, height, width) -> dict[str, Any]:
+        """Meta-device control latents a step of this size takes (none for Flux.1)."""
+        return {}
 
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-        from transformers import CLIPTextModel, T5Config, T5EncoderModel
+        from diffusers import FluxTransformer2DModel
+        from transformers import CLIPTextModel
 
         torch.manual_seed(seed)
         tokenizer, tokenizer_2 = tiny.clip_tokenizer(), tiny.t5_tokenizer()
         text_encoder = CLIPTextModel(tiny.clip_text_config(tokenizer))
-        text_encoder_2 = T5EncoderModel(
-            T5Config(
-                **tiny.t5_config_kwargs(
-                    tokenizer_2,
-                    d_model=32,
-                    relative_attention_max_distance=32,
-                    feed_forward_proj="gated-gelu",  # T5 v1.1, as Flux uses
-                    is_encoder_decoder=False,
-                )
-            )
-        )
-        vae = tiny.autoencoder_kl(
-            block_out_channels=(16, 32, 32, 32),
-            latent_channels=16,
-            sample_size=64,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.1159,  # Flux's VAE values
-            scaling_factor=0.3611,
-        )
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,  # 16 latent channels × a 2×2 patch
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=32,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 4, 8),  # sums to attention_head_dim
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            num_train_timesteps=1000,
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
-        pipe = self.pipeline_type()(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2,
-            transformer=transformer,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+        text_encoder_2 = tiny.t5_v11_encoder(tokenizer_2)
+        vae = tiny.flux_vae()
+        sizes = tiny.flux_transformer_sizes(pooled_projection_dim=32, guidance_embeds=True)
+        transformer = FluxTransformer2DModel(**sizes)
+        text = (text_encoder, tokenizer, text_encoder_2, tokenizer_2)
+        return self.save_tiny(out_dir, transformer, vae, *text, tiny.dynamic_flow_scheduler())
 
     # ------------------------------------------------------------ helpers
 
-    def pipeline_type(self) -> type:
-        """The diffusers pipeline class named by `pipeline_class` (a subclass may name another)."""
-        import diffusers
-
-        return getattr(diffusers, self.pipeline_class)
-
     def _text_pipeline(self, comps: Components) -> Any:
-        """A FluxPipeline holding only the text parts (enough for `encode_prompt`)."""
+        # FluxPipeline's encode_prompt, for Kontext too (whose pipeline's is a copy of it).
         from diffusers import FluxPipeline
 
-        clip, t5 = comps.text_encoders
-        tok, tok_2 = comps.tokenizers
-        return FluxPipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=clip,
-            tokenizer=tok,
-            text_encoder_2=t5,
-            tokenizer_2=tok_2,
-            transformer=None,
-        )
+        return self.build_pipeline(comps, FluxPipeline, text_only=True)
 
 
 def _transformer_inputs(
@@ -422,6 +252,3 @@ def _transformer_inputs(
         "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
         "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
     }
-
-
-transformer_inputs = _transformer_inputs  # public for the families built on Flux's (Kontext)

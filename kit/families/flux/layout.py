@@ -285,28 +285,6 @@ def fuse(
 # ------------------------------------------------------------------ LoRA
 
 
-def _lora_modules(peft_state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """peft LoRA keys grouped by module: {module: {"A": down, "B": up}}."""
-    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for key, value in peft_state.items():
-        for part in ("A", "B"):
-            suffix = f".lora_{part}.weight"
-            if key.endswith(suffix):
-                modules[key.removesuffix(suffix)][part] = value
-                break
-        else:
-            if key.endswith(".lora_magnitude_vector"):
-                raise KitError(
-                    f"{key}: DoRA has no exact form in the fused Flux layout (a fused weight's "
-                    "parts would need the base weight's norms); export DoRA in the diffusers layout"
-                )
-            raise KitError(f"{key}: not a LoRA weight (lora_A / lora_B) this layout can hold")
-    for module, parts in modules.items():
-        if set(parts) != {"A", "B"}:
-            raise KitError(f"{module}: LoRA weights need both lora_A and lora_B")
-    return modules
-
-
 # diffusers' reader of sd-scripts Flux files (`_convert_kohya_flux_lora_to_diffusers`) drops the
 # alpha of the final layer's modules; their scale goes into the up matrix (alpha = rank) instead.
 _ALPHA_DROPPED = ("final_layer.",)
@@ -334,7 +312,9 @@ def kohya_lora(
     # Original module → its parts: (row offset, down, up, the part's rank in peft's scale).
     groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, int]]] = defaultdict(list)
     heights: dict[str, int | None] = {}
-    for module, parts in sorted(_lora_modules(peft_state).items()):
+    for module, parts in sorted(
+        adapter_keys.fused_lora_modules(peft_state, "the fused Flux layout").items()
+    ):
         down, up = parts["A"], parts["B"]
         if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
             raise KitError(

@@ -22,17 +22,18 @@ import torch
 
 from kit.errors import ConfigError, DataError
 from kit.families import adapter_keys, register
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.base import posterior_latent
+from kit.families.flow import JOINT_ATTENTION, FlowFamily
 from kit.families.flux2 import layout as flux2_layout
 from kit.families.flux2 import tiny as flux2_tiny
 from kit.families.identity import part_config
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
     from kit.config import Config
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # both pipelines' default text length
 DEV, KLEIN = "Flux2Pipeline", "Flux2KleinPipeline"
 # klein's size by its text width (3 stacked hidden states of Qwen3 4B / 8B).
 KLEIN_SIZES = {7680: "4B", 12288: "9B"}
@@ -199,10 +200,12 @@ def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 
 @register
-class Flux2(Family):
+class Flux2(FlowFamily):
     """FLUX.2 dev (guidance embedding, Mistral3) or klein (Qwen3), read from the base's configs."""
 
     name = "flux2"
+    scale_kwarg = "attention_kwargs"
+    bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
     # The pipelines hand the scheduler custom sigmas (and mu), which flow Heun cannot take.
     samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
     size_multiple = 16
@@ -211,17 +214,7 @@ class Flux2(Family):
     bucket_step = 64
     # The double blocks' attention, and the single blocks' fused q, k, v and MLP input (their
     # `attn.to_out` is not named: `to_out` would also match the double blocks' ModuleList).
-    default_lora_targets = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-        "to_qkv_mlp_proj",
-    )
+    default_lora_targets = (*JOINT_ATTENTION, "to_qkv_mlp_proj")
     # Both pipelines sample with 4.0 by default: dev's distilled guidance input, klein base's
     # CFG scale (klein's step-distilled pipeline ignores it).
     # The guidance fed to dev in training: its pipeline's default (diffusers' FLUX.2 LoRA script
@@ -243,12 +236,6 @@ class Flux2(Family):
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
-        step = self.cfg.data.bucket_step
-        if step % 16:
-            # Patchifying needs an even latent side: 2 × the VAE's 8x.
-            raise ConfigError(
-                f"bucket_step: {step} must be a multiple of 16 for flux2 (64 is usual)"
-            )
         # A dataset's references: its control folders, or its source's control columns.
         counts = sorted(
             {len(d.control_dir) + len(d.control_column) for d in self.cfg.data.datasets}
@@ -324,62 +311,36 @@ class Flux2(Family):
         configured = self.cfg.objective.train_guidance_scale
         return self.default_train_guidance_scale if configured is None else float(configured)
 
-    def max_sequence_length(self) -> int:
-        """Text tokens per caption: the configured length, else the pipelines' 512."""
-        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
-
     # ------------------------------------------------------------ loading
+
+    # dev's Mistral3 encoder; klein's is a Qwen3, named by its model_index (`part_class`).
+    parts = (
+        denoiser("Flux2Transformer2DModel"),
+        vae("AutoencoderKLFlux2"),
+        *text("Mistral3ForConditionalGeneration", "AutoTokenizer"),
+        scheduler(),
+    )
 
     quantized_text_encoders = ("text_encoder",)  # a 24B / 4B / 8B LLM, only ever read frozen
     # BFL's transformer file (ComfyUI's diffusion_models): FLUX.2's global modulation.
     single_file_markers = ("single_stream_modulation.lin.weight",)
 
-    def identity_extras(self, pretrained, revision):
-        # Embeddings are padded to the text length, so it is part of their key.
-        return self.max_sequence_length()
-
-    def _encoder_class(self, pretrained: str) -> Any:
-        """The text encoder's transformers class, as the base's model_index names it."""
+    def part_class(self, part, pretrained):
+        if part.role != "text_encoder":
+            return super().part_class(part, pretrained)
         import transformers
 
         entry = self._index(pretrained).get("text_encoder") or []
-        name = entry[1] if len(entry) == 2 else "Mistral3ForConditionalGeneration"
-        return getattr(transformers, name)
+        return getattr(transformers, entry[1]) if len(entry) == 2 else part.cls()
 
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        import diffusers
-
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(diffusers.Flux2Transformer2DModel, "transformer"),
-            vae=(diffusers.AutoencoderKLFlux2, "vae"),
-            encoders=[(self._encoder_class(pretrained), "text_encoder")],
-            tokenizers=list(self._tokenizers(pretrained, revision).values()),
-            scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return self._tokenizers(pretrained, None)
-
-    def _tokenizers(self, pretrained: str, revision: str | None) -> dict[str, Any]:
-        from transformers import AutoTokenizer
-
+    def read_tokenizer(self, part, source, revision):
         # dev's `tokenizer` folder is a Pixtral processor; for text-only prompts the pipeline
         # uses its text tokenizer and chat template alone, which load without torchvision
         # (the processor's own chat-template call adds no special tokens either).
-        source = self.model_source(pretrained, ("tokenizer",))
-        tokenizer = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+        tokenizer = super().read_tokenizer(part, source, revision)
         if tokenizer.chat_template is None:  # a processor's template, which tokenizers skip
             tokenizer.chat_template = processor_chat_template(source, revision)
-        return {"text_encoder": tokenizer}
+        return tokenizer
 
     def token_limit(self, encoder, tokenizer):
         # The chat template (and dev's system message) take their tokens out of the same
@@ -392,7 +353,7 @@ class Flux2(Family):
         # The pipeline's own encode_prompt (chat template, system message for dev, the stacked
         # hidden layers). Every caption is padded to max_sequence_length and the transformer
         # takes no mask (as at sampling), so the embeddings have a fixed shape.
-        pipe = self._pipeline(comps, text_only=True)
+        pipe = self._text_pipeline(comps)
         embeds, _ = pipe.encode_prompt(
             captions,
             device=comps.text_encoders[0].device,
@@ -402,6 +363,7 @@ class Flux2(Family):
 
     @torch.no_grad()
     def encode_images(self, comps, pixels, generator=None):
+        # Differs from FlowFamily's: channels last, and normalised per 2×2 patch (BatchNorm).
         vae = comps.vae
         # Laid out channels last, as the pipelines' image processor hands a reference to the
         # VAE (its HWC array transposed), so the convolutions round as at inference. A copy: a
@@ -424,11 +386,6 @@ class Flux2(Family):
 
         steps = inspect.signature(Flux2Pipeline.__call__).parameters["num_inference_steps"]
         return compute_empirical_mu(tokens, steps.default)
-
-    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        config = comps.noise_scheduler.config
-        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
-        return self.flow_draw(comps, latents, generator, shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         transformer = comps.denoiser
@@ -454,41 +411,20 @@ class Flux2(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        return self._pipeline(comps)
-
-    def _pipeline(self, comps: Components, text_only: bool = False) -> Any:
-        """The base's pipeline class over these parts (without VAE, transformer and scheduler
-        when only `encode_prompt` is needed)."""
+    def build_pipeline(self, comps, cls=None, text_only=False, **extra):
+        # The loaded base's own class: klein's (a Qwen3 encoder) with its `is_distilled`.
         import diffusers
 
         index = model_index(comps.source, self.cfg.model.revision)  # where these parts came from
         klein = type(comps.text_encoders[0]).__name__.startswith("Qwen3")
-        extra = {"is_distilled": bool(index.get("is_distilled", False))} if klein else {}
-        scheduler = None
-        if not text_only:  # a fresh scheduler: sampling changes its state
-            scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return getattr(diffusers, KLEIN if klein else DEV)(
-            scheduler=scheduler,
-            vae=None if text_only else comps.vae,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=None if text_only else comps.denoiser,
-            **extra,
-        )
+        if klein:
+            extra = {"is_distilled": bool(index.get("is_distilled", False)), **extra}
+        cls = cls or getattr(diffusers, KLEIN if klein else DEV)
+        return super().build_pipeline(comps, cls, text_only, **extra)
 
     def call_kwargs(self, spec):
         # Neither pipeline takes a negative prompt (klein base draws its CFG against "").
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            "num_inference_steps": spec.num_inference_steps,
-            "guidance_scale": spec.guidance_scale,
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length(),
-        }
-        if spec.adapter_scale != 1.0:
-            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        kwargs = super().call_kwargs(spec)
         if spec.control:
             # The files, so the sidecar can record them; `sample` opens them for the pipeline.
             kwargs["image"] = list(spec.control)
@@ -496,32 +432,18 @@ class Flux2(Family):
 
     # ------------------------------------------------------------ memory estimate
 
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(Flux2Transformer2DModel, "transformer"),
-            vae=(AutoencoderKLFlux2, "vae"),
-            encoders=[(self._encoder_class(pretrained), "text_encoder")],
-        )
-
     def denoiser_inputs(self, parts, batch, height, width):
-        transformer, vae = parts["denoiser"], parts["vae"]
-        config = transformer.config
-        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2  # the VAE's factor, then 2×2 patches
+        config = parts["denoiser"].config
         meta = {"device": "meta"}
-        latents = torch.zeros(
-            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
-        )
+        latents = self.packed_meta_latents(parts, batch, height, width)
         embeds = torch.zeros(batch, self.max_sequence_length(), config.joint_attention_dim, **meta)
         kwargs = transformer_inputs(
             config, latents, torch.zeros(batch, **meta), embeds, self.train_guidance_scale()
         )
         # Configured references count as the target's size, resized by the pipelines' rule.
         rw, rh = reference_size(width, height)
-        shape = (batch, config.in_channels // 4, rh // f * 2, rw // f * 2)
-        references = [torch.zeros(shape, **meta) for _ in range(self._references_configured())]
+        n = self._references_configured()
+        references = [self.packed_meta_latents(parts, batch, rh, rw) for _ in range(n)]
         kwargs = with_references(kwargs, references)
         # The packed image tokens go first: the estimator counts positional inputs as block inputs.
         return (kwargs.pop("hidden_states"),), kwargs

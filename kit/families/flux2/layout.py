@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from kit.errors import KitError
+from kit.families import adapter_keys
+from kit.families.flux import layout as flux_layout
 
 COMFYUI_SINCE = {"dev": "0.8", "klein": "0.12"}
 """The first ComfyUI release that loads each FLUX.2 model and its LoRA files (measured): v0.3.64
@@ -86,14 +88,9 @@ _TOP: dict[str, str] = {
     "norm_out.linear": "final_layer.adaLN_modulation.1",
     "proj_out": "final_layer.linear",
 }
-# RMSNorm scales of the attention: diffusers `<module>.weight` → BFL `<module>.scale`.
-_DOUBLE_NORMS = {
-    "attn.norm_q": "img_attn.norm.query_norm",
-    "attn.norm_k": "img_attn.norm.key_norm",
-    "attn.norm_added_q": "txt_attn.norm.query_norm",
-    "attn.norm_added_k": "txt_attn.norm.key_norm",
-}
-_SINGLE_NORMS = {"attn.norm_q": "norm.query_norm", "attn.norm_k": "norm.key_norm"}
+# RMSNorm scales of the attention: diffusers `<module>.weight` → BFL `<module>.scale`, named
+# as in FLUX.1's blocks.
+_DOUBLE_NORMS, _SINGLE_NORMS = flux_layout.DOUBLE_NORMS, flux_layout.SINGLE_NORMS
 
 _BLOCK = re.compile(r"^(transformer_blocks|single_transformer_blocks)\.(\d+)\.(.+)$")
 _KINDS = {
@@ -185,28 +182,6 @@ def to_original(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------ LoRA
 
 
-def _lora_modules(peft_state: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-    """peft LoRA keys grouped by module: {module: {"A": down, "B": up}}."""
-    modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
-    for key, value in peft_state.items():
-        for part in ("A", "B"):
-            suffix = f".lora_{part}.weight"
-            if key.endswith(suffix):
-                modules[key.removesuffix(suffix)][part] = value
-                break
-        else:
-            if key.endswith(".lora_magnitude_vector"):
-                raise KitError(
-                    f"{key}: DoRA has no exact form in FLUX.2's fused qkv (a fused weight's "
-                    "parts would need the base weight's norms); export DoRA in the diffusers layout"
-                )
-            raise KitError(f"{key}: not a LoRA weight (lora_A / lora_B) this layout can hold")
-    for module, parts in modules.items():
-        if set(parts) != {"A", "B"}:
-            raise KitError(f"{module}: LoRA weights need both lora_A and lora_B")
-    return modules
-
-
 def _kohya_readable(bfl: str, module: str) -> None:
     """Refuse a module diffusers' sd-scripts FLUX.2 reader would drop (ComfyUI reads it; a file
     that loads in one client and silently loses weights in the other is not written)."""
@@ -227,7 +202,9 @@ def kohya_lora(peft_state: Mapping[str, torch.Tensor], alpha: float) -> dict[str
     each part's scale (a part of another rank carries the difference in its up block).
     """
     groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = defaultdict(list)
-    for module, parts in sorted(_lora_modules(peft_state).items()):
+    for module, parts in sorted(
+        adapter_keys.fused_lora_modules(peft_state, "FLUX.2's fused qkv").items()
+    ):
         down, up = parts["A"], parts["B"]
         if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
             raise KitError(

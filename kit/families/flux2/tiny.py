@@ -150,27 +150,16 @@ def make(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
     # Statistics away from (0, 1), so that a missed normalisation shows in the tests.
     vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
     vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
-    transformer = diffusers.Flux2Transformer2DModel(
+    sizes = tiny.flux_transformer_sizes(
         in_channels=32,  # 8 latent channels × a 2×2 patch
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
         joint_attention_dim=3 * 16,  # three stacked hidden states of the 16-wide encoder
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),  # sums to attention_head_dim
         guidance_embeds=not klein,
     )
+    transformer = diffusers.Flux2Transformer2DModel(**sizes)
     # FLUX.1-dev's scheduler, which diffusers' FLUX.2 conversion script ships with FLUX.2.
-    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
-        num_train_timesteps=1000,
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=256,
-        max_image_seq_len=4096,
-    )
+    scheduler = tiny.dynamic_flow_scheduler()
     parts = {"scheduler": scheduler, "vae": vae, "text_encoder": text_encoder}
     parts.update(tokenizer=tokenizer, transformer=transformer)
     if klein:

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from kit.families import register
-from kit.families.flux.family import Flux, pack_latents, transformer_inputs, unpack_latents
+from kit.families.flux.family import Flux, pack_latents
 
 VAE_FACTOR = 8
 """Flux's VAE downsamples by 8; FluxKontextPipeline resizes controls to multiples of 8 · 2."""
@@ -38,21 +38,13 @@ def control_size(width: int, height: int, auto_resize: bool = True) -> tuple[int
     return width // multiple * multiple, height // multiple * multiple
 
 
-def kontext_inputs(
-    config: Any,
-    latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    prompt_embeds: torch.Tensor,
-    pooled: torch.Tensor,
-    guidance_scale: float,
-    control: torch.Tensor,
+def with_control(
+    kwargs: dict[str, Any], latents: torch.Tensor, control: torch.Tensor
 ) -> dict[str, Any]:
-    """FluxTransformer2DModel's arguments as FluxKontextPipeline builds them: Flux's, with the
-    control's packed tokens after the target's and their ids (first coordinate 1) after the
-    target's ids."""
+    """Flux's transformer arguments as FluxKontextPipeline builds them: the control's packed
+    tokens after the target's, and their ids (first coordinate 1) after the target's ids."""
     from diffusers import FluxKontextPipeline
 
-    kwargs = transformer_inputs(config, latents, timesteps, prompt_embeds, pooled, guidance_scale)
     control = control.to(latents.device, latents.dtype)
     b, _, h, w = control.shape
     ids = FluxKontextPipeline._prepare_latent_image_ids(
@@ -96,22 +88,9 @@ class FluxKontext(Flux):
         image = processor.resize(image, height, width)
         return processor.preprocess(image, height, width)[0]
 
-    def predict(self, comps, noisy, timesteps, cond):
-        transformer = comps.denoiser
-        config = getattr(transformer, "module", transformer).config  # unwrapped under DDP
-        kwargs = kontext_inputs(
-            config,
-            noisy,
-            timesteps,
-            cond["prompt_embeds"],
-            cond["pooled_prompt_embeds"],
-            self.train_guidance_scale(),
-            cond["control_latents_0"],
-        )
-        out = transformer(**kwargs, return_dict=False)[0]
-        h, w = noisy.shape[-2:]
-        # The pipeline keeps the target's tokens of the prediction: the control's come after.
-        return unpack_latents(out[:, : (h // 2) * (w // 2)], h, w)
+    def transformer_kwargs(self, config, latents, timesteps, cond):
+        kwargs = super().transformer_kwargs(config, latents, timesteps, cond)
+        return with_control(kwargs, latents, cond["control_latents_0"])
 
     def call_kwargs(self, spec):
         kwargs = super().call_kwargs(spec)
@@ -125,23 +104,6 @@ class FluxKontext(Flux):
                 kwargs["_auto_resize"] = False
         return kwargs
 
-    def denoiser_inputs(self, parts, batch, height, width):
-        transformer, vae = parts["denoiser"], parts["vae"]
-        config = transformer.config
-        f = 2 ** (len(vae.config.block_out_channels) - 1) * 2
-        meta = {"device": "meta"}
-        latents = torch.zeros(
-            batch, config.in_channels // 4, height // f * 2, width // f * 2, **meta
-        )
+    def meta_controls(self, parts, batch, height, width):
         cw, ch = control_size(width, height, self.auto_resize)
-        control = torch.zeros(batch, config.in_channels // 4, ch // f * 2, cw // f * 2, **meta)
-        kwargs = kontext_inputs(
-            config,
-            latents,
-            torch.zeros(batch, **meta),
-            torch.zeros(batch, self.max_sequence_length(), config.joint_attention_dim, **meta),
-            torch.zeros(batch, config.pooled_projection_dim, **meta),
-            self.train_guidance_scale(),
-            control,
-        )
-        return (kwargs.pop("hidden_states"),), kwargs
+        return {"control_latents_0": self.packed_meta_latents(parts, batch, ch, cw)}

@@ -18,13 +18,13 @@ import torch
 
 from kit.errors import ConfigError
 from kit.families import adapter_keys, register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.base import Components
+from kit.families.flow import JOINT_ATTENTION, FlowFamily
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.qwen_image import layout as qwen_image_layout
 from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512
-"""Text tokens per caption (after the dropped system prompt): QwenImagePipeline's default."""
 MAX_SEQUENCE_LENGTH = 1024
 """The most the pipeline accepts (`check_inputs`)."""
 EMPTY_NEGATIVE = " "
@@ -211,16 +211,10 @@ def tiny_qwen25_vl(tokenizer: Any) -> Any:
 def tiny_vae_and_transformer(**transformer_config: Any) -> tuple[Any, Any]:
     """A tiny random-init Qwen-Image VAE and transformer (the edit family's too; its 2511 adds
     `zero_cond_t`)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+    from diffusers import QwenImageTransformer2DModel
 
     # Wan's tiny VAE sizes (8x, as the release); the latent statistics are the release's.
-    vae = AutoencoderKLQwenImage(
-        base_dim=3,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
+    vae = tiny.wan_vae("AutoencoderKLQwenImage")
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=64,  # 16 latent channels × a 2×2 patch
@@ -236,10 +230,12 @@ def tiny_vae_and_transformer(**transformer_config: Any) -> tuple[Any, Any]:
 
 
 @register
-class QwenImage(Family):
+class QwenImage(FlowFamily):
     """Qwen-Image and Qwen-Image-2512 (one architecture; neither is step-distilled)."""
 
     name = "qwen_image"
+    scale_kwarg = "attention_kwargs"
+    bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
     # The pipeline hands its scheduler custom sigmas, which only these schedulers take.
     samplers = (DEFAULT, "flow_euler", "flow_unipc")
     size_multiple = 16
@@ -249,16 +245,7 @@ class QwenImage(Family):
     bucket_step = 64
     variants = ("Qwen-Image", "Qwen-Image-2512")
     # Both streams' attention, as diffusers' Qwen-Image LoRA script and Flux here adapt.
-    default_lora_targets = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    default_lora_targets = JOINT_ATTENTION
     pipeline_class = "QwenImagePipeline"
     default_guidance_scale = 4.0  # QwenImagePipeline's `true_cfg_scale`
     lora_layers_kwarg = "transformer_lora_layers"
@@ -275,21 +262,11 @@ class QwenImage(Family):
 
     def __init__(self, cfg: Any = None) -> None:
         super().__init__(cfg)
-        if self.cfg.data.bucket_step % 16:
-            # Packing needs an even latent side: 2 × the VAE's 8x.
-            raise ConfigError(
-                f"bucket_step: {self.cfg.data.bucket_step} must be a multiple of 16 for "
-                "qwen_image (64 is usual)"
-            )
         if self.max_sequence_length() > MAX_SEQUENCE_LENGTH:
             raise ConfigError(
                 f"max_sequence_length: {self.max_sequence_length()} is more than "
                 f"QwenImagePipeline accepts ({MAX_SEQUENCE_LENGTH})"
             )
-
-    def max_sequence_length(self) -> int:
-        """Text tokens per caption: the configured length, else the pipeline's default."""
-        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
     def variant_of(self, pretrained: str) -> str:
         # Qwen-Image-2512 is a retrained Qwen-Image with the same configs: only its recorded
@@ -299,19 +276,13 @@ class QwenImage(Family):
     def kohya_module(self, module):
         return qwen_image_layout.kohya_module(module)
 
+    original_layout = staticmethod(qwen_image_layout.to_comfy)
+
     def client_models(self, comps):
         # ComfyUI holds Qwen-Image under diffusers' own names (comfy/ldm/qwen_image/model.py).
         t = comps.denoiser
-        model = qwen_image_layout.to_comfy(t.state_dict(), dict(t.config))
+        model = self.original_state(t)
         return {"ComfyUI": (adapter_keys.prefixed("diffusion_model.", model), None)}
-
-    def single_file_state_dict(self, comps):
-        # The transformer alone, as ComfyUI's diffusion_models files hold it.
-        t = comps.denoiser
-        return qwen_image_layout.to_comfy(t.state_dict(), dict(t.config))
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("QwenImageTransformer2DModel", path, config_source)
 
     def version_metadata(self) -> dict[str, str]:
         variant = self.variant_of(self.cfg.model.pretrained_model)
@@ -320,47 +291,17 @@ class QwenImage(Family):
 
     # ------------------------------------------------------------ loading
 
+    parts = (
+        denoiser("QwenImageTransformer2DModel"),
+        vae("AutoencoderKLQwenImage"),
+        *text("Qwen2_5_VLForConditionalGeneration", "Qwen2Tokenizer"),
+        scheduler(),
+    )
+    vae_frames = True  # Wan's 3D causal VAE, used on single frames
+
     quantized_text_encoders = ("text_encoder",)  # Qwen2.5-VL-7B, only ever read frozen
     # ComfyUI's diffusion_models file: the transformer alone under diffusers' names.
     single_file_markers = ("txt_norm.weight", "transformer_blocks.0.img_mod.1.weight")
-
-    def identity_extras(self, pretrained, revision):
-        # Embeddings are cut and padded to this length, so it is part of their key.
-        return self.max_sequence_length()
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import (
-            AutoencoderKLQwenImage,
-            FlowMatchEulerDiscreteScheduler,
-            QwenImageTransformer2DModel,
-        )
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(QwenImageTransformer2DModel, "transformer"),
-            vae=(AutoencoderKLQwenImage, "vae"),
-            encoders=[(Qwen2_5_VLForConditionalGeneration, "text_encoder")],
-            tokenizers=[self._tokenizer(pretrained, revision)],
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return {"text_encoder": self._tokenizer(pretrained)}
-
-    def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
-        from transformers import Qwen2Tokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        return Qwen2Tokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
 
     def token_limit(self, encoder, tokenizer):
         # The embeddings after the system prompt are cut to this many; the caption comes first.
@@ -371,27 +312,10 @@ class QwenImage(Family):
     def encode_text(self, comps, captions):
         return encode_prompts(self._text_pipeline(comps), captions, self.max_sequence_length())
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        if pixels.ndim == 4:
-            pixels = pixels.unsqueeze(2)  # (B, 3, H, W) → a one-frame clip
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        latents = posterior_latent(dist, generator)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
-        # The inverse of the pipeline's decode (latents · std + mean), the one frame dropped.
-        return ((latents - mean) / std).squeeze(2)
-
     # ------------------------------------------------------------ training
 
-    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        # The pipeline's dynamic shift (`Family.flow_shift`); Qwen's `shift_terminal` only
-        # stretches the inference schedule's tail, not the σ a training step is drawn at.
-        config = comps.noise_scheduler.config
-        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
-        return self.flow_draw(comps, latents, generator, shift)
+    # `noise_and_target`: the pipeline's dynamic shift (`flow_shift`); Qwen's `shift_terminal`
+    # only stretches the inference schedule's tail, not the σ a training step is drawn at.
 
     def predict(self, comps, noisy, timesteps, cond):
         kwargs = transformer_inputs(
@@ -406,46 +330,14 @@ class QwenImage(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        from diffusers import QwenImagePipeline
-
-        # A fresh scheduler: sampling changes its state.
-        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return QwenImagePipeline(
-            scheduler=scheduler,
-            vae=comps.vae,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=comps.denoiser,
-        )
-
     def call_kwargs(self, spec):
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            # True CFG (two passes per step) needs a negative prompt; Qwen's own default is " ".
-            "negative_prompt": spec.negative_prompt or EMPTY_NEGATIVE,
-            "true_cfg_scale": spec.guidance_scale,
-            "num_inference_steps": spec.num_inference_steps,
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length(),
-        }
-        if spec.adapter_scale != 1.0:
-            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        kwargs = super().call_kwargs(spec)
+        # True CFG (two passes per step) needs a negative prompt; Qwen's own default is " ".
+        kwargs["negative_prompt"] = spec.negative_prompt or EMPTY_NEGATIVE
+        kwargs["true_cfg_scale"] = kwargs.pop("guidance_scale")
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
-
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-        from transformers import Qwen2_5_VLForConditionalGeneration
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(QwenImageTransformer2DModel, "transformer"),
-            vae=(AutoencoderKLQwenImage, "vae"),
-            encoders=[(Qwen2_5_VLForConditionalGeneration, "text_encoder")],
-        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]
@@ -466,10 +358,7 @@ class QwenImage(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            FlowMatchEulerDiscreteScheduler,
-            QwenImagePipeline,
-        )
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
         torch.manual_seed(seed)
         tokenizer = tiny_qwen2_tokenizer()
@@ -481,25 +370,12 @@ class QwenImage(Family):
                 config_source(self.hub_id), subfolder="scheduler"
             )
         )
-        pipe = QwenImagePipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            transformer=transformer,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+        return self.save_tiny(out_dir, transformer, vae, text_encoder, tokenizer, scheduler)
 
     # ------------------------------------------------------------ helpers
 
     def _text_pipeline(self, comps: Components) -> Any:
-        """A QwenImagePipeline holding only the text parts (enough for `encode_prompt`)."""
+        # QwenImagePipeline's encode_prompt, for the edit family's captions without controls too.
         from diffusers import QwenImagePipeline
 
-        return QwenImagePipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=None,
-        )
+        return self.build_pipeline(comps, QwenImagePipeline, text_only=True)

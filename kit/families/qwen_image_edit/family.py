@@ -34,6 +34,7 @@ from kit.families import register, tiny
 from kit.families.base import PARTS, Components
 from kit.families.flux2.family import model_index
 from kit.families.identity import part_config
+from kit.families.parts import Part
 from kit.families.qwen_image.family import (
     QwenImage,
     pack_latents,
@@ -164,6 +165,8 @@ class QwenImageEdit(QwenImage):
     """Qwen-Image-Edit (one control), -2509 and -2511 (up to three)."""
 
     name = "qwen_image_edit"
+    # Qwen-Image's parts and the processor that builds the vision-language prompt (`load`).
+    parts = (*QwenImage.parts, Part("processor", "transformers.Qwen2VLProcessor", "processor"))
     hub_id = "Qwen/Qwen-Image-Edit"
     variants = ("Qwen-Image-Edit", "Qwen-Image-Edit-2509", "Qwen-Image-Edit-2511")
     control_images = 3  # QwenImageEditPlusPipeline's references; Edit's one is checked on load
@@ -361,15 +364,7 @@ class QwenImageEdit(QwenImage):
     # ------------------------------------------------------------ sampling
 
     def pipeline(self, comps):
-        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return edit_pipeline_class(self._plus())(
-            scheduler=scheduler,
-            vae=comps.vae,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            processor=self.processor(comps),
-            transformer=comps.denoiser,
-        )
+        return self.build_pipeline(comps, edit_pipeline_class(self._plus()))
 
     def call_kwargs(self, spec):
         kwargs = super().call_kwargs(spec)  # without controls, QwenImagePipeline's call
@@ -466,14 +461,7 @@ class QwenImageEdit(QwenImage):
         """An edit pipeline holding only the text parts (enough for `encode_prompt`)."""
         import diffusers
 
-        return getattr(diffusers, PLUS if plus else EDIT)(
-            scheduler=None,
-            vae=None,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            processor=self.processor(comps),
-            transformer=None,
-        )
+        return self.build_pipeline(comps, getattr(diffusers, PLUS if plus else EDIT), True)
 
 
 ZERO_MARKER = "__index_timestep_zero__"

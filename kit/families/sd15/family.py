@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from kit.families import adapter_keys, ldm, register, tiny
-from kit.families.base import PARTS, Components, Family, posterior_latent
+from kit.families.base import Family, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.ldm import ldm_aliases
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import DDPM_SAMPLERS
 from kit.families.shipped import config_source
 
@@ -15,6 +16,12 @@ from kit.families.shipped import config_source
 @register
 class SD15(Family):
     name = "sd15"
+    parts = (
+        denoiser("UNet2DConditionModel", "unet"),
+        vae(),
+        *text("CLIPTextModel", "CLIPTokenizer", trainable=True),
+        scheduler("DDPMScheduler"),
+    )
     samplers = DDPM_SAMPLERS
     size_multiple = 8
     native_resolution = 512
@@ -56,28 +63,6 @@ class SD15(Family):
             "modelspec.prediction_type": "v" if v_pred else "epsilon",
         }
 
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-        from transformers import CLIPTextModel, CLIPTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        tokenizer = CLIPTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
-        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(UNet2DConditionModel, "unet"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(CLIPTextModel, "text_encoder")],
-            tokenizers=[tokenizer],
-            scheduler=scheduler,
-        )
-
     def encode_text(self, comps, captions):
         tok = comps.tokenizers[0]
         enc = comps.text_encoders[0]
@@ -100,12 +85,6 @@ class SD15(Family):
     def predict(self, comps, noisy, timesteps, cond):
         return comps.denoiser(noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"]).sample
 
-    def load_tokenizers(self, pretrained):
-        from transformers import CLIPTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        return {"text_encoder": CLIPTokenizer.from_pretrained(source, subfolder="tokenizer")}
-
     def noise_and_target(self, comps, latents, generator):
         return self.ddpm_draw(comps, latents, generator)
 
@@ -124,17 +103,6 @@ class SD15(Family):
             requires_safety_checker=False,
         )
 
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKL, UNet2DConditionModel
-        from transformers import CLIPTextModel
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(UNet2DConditionModel, "unet"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(CLIPTextModel, "text_encoder")],
-        )
-
     def denoiser_inputs(self, parts, batch, height, width):
         unet, vae = parts["denoiser"], parts["vae"]
         f = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -146,7 +114,7 @@ class SD15(Family):
         return (latents, steps), {"encoder_hidden_states": embeds}
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers import DDIMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel
 
         torch.manual_seed(seed)
@@ -176,17 +144,8 @@ class SD15(Family):
             steps_offset=1,
             prediction_type="epsilon",
         )
-        pipe = StableDiffusionPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            unet=unet,
-            scheduler=scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+        extra = {"feature_extractor": None, **self.pipeline_kwargs}  # no safety checker
+        return self.save_tiny(out_dir, unet, vae, text_encoder, tokenizer, scheduler, **extra)
 
     # ------------------------------------------------------------ clients
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kit.families import adapter_keys, register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.flow import JOINT_ATTENTION, FlowFamily
 from kit.families.identity import part_config
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.sd3 import layout as sd3_layout
 
@@ -18,12 +19,12 @@ if TYPE_CHECKING:
 
 CLIP_ENCODERS = ("text_encoder", "text_encoder_2")
 T5_ENCODER = "text_encoder_3"
-DEFAULT_T5_TOKENS = 256  # the pipeline's default `max_sequence_length`
 
 
 @register
-class SD3(Family):
+class SD3(FlowFamily):
     name = "sd3"
+    default_max_sequence_length = 256  # T5 tokens: the pipeline's default
     samplers = FLOW_SAMPLERS
     size_multiple = 16
     native_resolution = 1024
@@ -31,16 +32,7 @@ class SD3(Family):
     bucket_step = 64
     # Image and context projections of every joint block, as diffusers' SD3 LoRA example trains;
     # load_lora_weights restores all of them.
-    default_lora_targets = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "add_q_proj",
-        "add_k_proj",
-        "add_v_proj",
-        "to_add_out",
-    )
+    default_lora_targets = JOINT_ATTENTION
     pipeline_class = "StableDiffusion3Pipeline"
     default_guidance_scale = 7.0  # StableDiffusion3Pipeline's default
     lora_layers_kwarg = "transformer_lora_layers"
@@ -65,12 +57,17 @@ class SD3(Family):
         """Whether the T5 encoder is loaded (its part of the prompt is zeros otherwise)."""
         return self.cfg.model.use_t5
 
-    @property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per caption."""
-        return self.cfg.model.max_sequence_length or DEFAULT_T5_TOKENS
-
     # ------------------------------------------------------------ loading
+
+    parts = (
+        denoiser("SD3Transformer2DModel"),
+        vae(),
+        *text("CLIPTextModelWithProjection", "CLIPTokenizer", trainable=True),
+        *text("CLIPTextModelWithProjection", "CLIPTokenizer", 2, trainable=True),
+        *text("T5EncoderModel", "T5TokenizerFast", 3),
+        scheduler(),
+    )
+    meta_buffers = True  # the patch embedding's positional table is a buffer
 
     # The MMDiT alone (as ComfyUI's diffusion_models hold it) or Stability's whole checkpoint,
     # which keeps the encoders under `text_encoders.*`.
@@ -81,63 +78,20 @@ class SD3(Family):
         "text_encoders.t5xxl.",
     )
 
-    @property
-    def text_subfolders(self) -> tuple[str, ...]:
-        """The CLIP encoders, and T5 when it is used."""
-        return (*CLIP_ENCODERS, T5_ENCODER) if self.use_t5 else CLIP_ENCODERS
+    def active_parts(self):
+        # T5 and its tokenizer only when it is used (its part of the prompt is zeros otherwise).
+        left_out = () if self.use_t5 else (T5_ENCODER, "tokenizer_3")
+        return tuple(p for p in self.parts if p.name not in left_out)
 
     def identity_extras(self, pretrained, revision):
         # The cached prompt depends on the T5 length and, without T5, the width of the zeros
         # standing in for it.
         width = part_config(pretrained, "transformer", revision).get("joint_attention_dim")
-        return {"max_sequence_length": self.max_sequence_length, "joint_attention_dim": width}
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-        from transformers import CLIPTextModelWithProjection, T5EncoderModel
-
-        encoders = [(CLIPTextModelWithProjection, name) for name in CLIP_ENCODERS]
-        if self.use_t5:
-            encoders.append((T5EncoderModel, T5_ENCODER))
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(SD3Transformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=encoders,
-            tokenizers=list(self._tokenizers(pretrained, revision).values()),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return self._tokenizers(pretrained)
-
-    def _tokenizers(self, pretrained: str, revision: str | None = None) -> dict[str, Any]:
-        """Encoder name → tokenizer, T5's only when T5 is used."""
-        from transformers import CLIPTokenizer, T5TokenizerFast
-
-        names = ("tokenizer", "tokenizer_2", "tokenizer_3")[: 3 if self.use_t5 else 2]
-        source = self.model_source(pretrained, names)
-        out: dict[str, Any] = {
-            enc: CLIPTokenizer.from_pretrained(source, subfolder=tok, revision=revision)
-            for enc, tok in zip(CLIP_ENCODERS, names, strict=False)
-        }
-        if self.use_t5:
-            out[T5_ENCODER] = T5TokenizerFast.from_pretrained(
-                source, subfolder="tokenizer_3", revision=revision
-            )
-        return out
+        return {"max_sequence_length": self.max_sequence_length(), "joint_attention_dim": width}
 
     def token_limit(self, encoder, tokenizer):
         if encoder == T5_ENCODER:
-            return self.max_sequence_length
+            return self.max_sequence_length()
         return super().token_limit(encoder, tokenizer)
 
     # ------------------------------------------------------------ encoding
@@ -151,23 +105,11 @@ class SD3(Family):
             prompt_3=None,
             device=comps.text_encoders[0].device,
             do_classifier_free_guidance=False,
-            max_sequence_length=self.max_sequence_length,
+            max_sequence_length=self.max_sequence_length(),
         )
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        shift = vae.config.shift_factor or 0.0
-        return (posterior_latent(dist, generator) - shift) * vae.config.scaling_factor
-
     # ------------------------------------------------------------ training
-
-    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        # SD3 trains with σ shifted as its scheduler samples (shift 3.0 in the released configs).
-        shift = self.cfg.objective.flow_shift or comps.noise_scheduler.config.get("shift", 1.0)
-        return self.flow_draw(comps, latents, generator, shift)
 
     def predict(self, comps, noisy, timesteps, cond):
         # The transformer predicts the velocity noise - x0 and takes t = σ·1000, as in sampling.
@@ -183,36 +125,16 @@ class SD3(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        # A fresh scheduler: sampling keeps step state that training's copy must not carry.
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(comps.noise_scheduler.config)
-        return self._text_pipeline(comps, vae=comps.vae, scheduler=scheduler)
-
-    def _text_pipeline(self, comps: Components, **parts: Any) -> Any:
-        """A StableDiffusion3Pipeline over these parts (T5 None when it is left out)."""
-        from diffusers import StableDiffusion3Pipeline
-
-        encoders = [*comps.text_encoders, None][:3]
-        tokenizers = [*comps.tokenizers, None][:3]
-        kwargs: dict[str, Any] = {"vae": None, "scheduler": None, **parts}
-        pipe = StableDiffusion3Pipeline(
-            transformer=comps.denoiser,
-            text_encoder=encoders[0],
-            tokenizer=tokenizers[0],
-            text_encoder_2=encoders[1],
-            tokenizer_2=tokenizers[1],
-            text_encoder_3=encoders[2],
-            tokenizer_3=tokenizers[2],
-            **kwargs,
-        )
-        if comps.denoiser is None and encoders[2] is None:
+    def build_pipeline(self, comps, cls=None, text_only=False, **extra):
+        pipe = super().build_pipeline(comps, cls, text_only, **extra)
+        if pipe.transformer is None and pipe.text_encoder_3 is None:
             # The cache fills before the transformer loads; without T5 the pipeline reads the
             # width of the zeros standing in for it from the transformer's config alone.
             width = part_config(comps.source, "transformer").get("joint_attention_dim")
             pipe.transformer = SimpleNamespace(config=SimpleNamespace(joint_attention_dim=width))
         return pipe
+
+    original_layout = staticmethod(sd3_layout.to_original)
 
     def kohya_state_dict(self, state, alpha):
         # One LoRA per fused weight (q, k, v → qkv), named as sd-scripts' SD3 scripts do.
@@ -230,9 +152,7 @@ class SD3(Family):
         config = dict(t.config)
         clip_l, clip_g = comps.text_encoders[:2]
         model = {
-            **adapter_keys.prefixed(
-                "diffusion_model.", sd3_layout.to_original(t.state_dict(), config)
-            ),
+            **adapter_keys.prefixed("diffusion_model.", self.original_state(t)),
             **adapter_keys.clip_state(clip_l, "clip_l.transformer."),
             **adapter_keys.clip_state(clip_g, "clip_g.transformer."),
         }
@@ -240,48 +160,20 @@ class SD3(Family):
         aliases = adapter_keys.offset_aliases(sd3_layout.module_map(config), swapped)
         return {"ComfyUI": (model, aliases)}
 
-    def single_file_state_dict(self, comps):
-        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
-        # model beside the base's own text encoders and VAE.
-        t = comps.denoiser
-        return sd3_layout.to_original(t.state_dict(), dict(t.config))
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("SD3Transformer2DModel", path, config_source)
-
     def call_kwargs(self, spec):
         kwargs = super().call_kwargs(spec)
-        scale = kwargs.pop("cross_attention_kwargs", None)
-        kwargs["max_sequence_length"] = self.max_sequence_length
-        if scale is not None:
-            # SD3's transformer reads the LoRA scale from its joint attention kwargs.
-            kwargs["joint_attention_kwargs"] = scale
+        # The string, even when empty, as plain diffusers and the other clients encode it.
+        kwargs["negative_prompt"] = spec.negative_prompt
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
-
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKL, SD3Transformer2DModel
-        from transformers import CLIPTextModelWithProjection, T5EncoderModel
-
-        encoders = [(CLIPTextModelWithProjection, name) for name in CLIP_ENCODERS]
-        if self.use_t5:
-            encoders.append((T5EncoderModel, T5_ENCODER))
-        # Buffers go to the meta device too: the patch embedding's positional table is one.
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(SD3Transformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=encoders,
-            include_buffers=True,
-        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         dn, vae = parts["denoiser"].config, parts["vae"].config
         f = 2 ** (len(vae.block_out_channels) - 1)
         latents = torch.zeros(batch, dn.in_channels, height // f, width // f, device="meta")
         # CLIP tokens, then T5's (zeros when T5 is left out, still part of the sequence).
-        tokens = parts[CLIP_ENCODERS[0]].config.max_position_embeddings + self.max_sequence_length
+        tokens = parts[CLIP_ENCODERS[0]].config.max_position_embeddings + self.max_sequence_length()
         return (latents,), {
             "timestep": torch.zeros(batch, device="meta"),
             "encoder_hidden_states": torch.zeros(
@@ -293,11 +185,7 @@ class SD3(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            FlowMatchEulerDiscreteScheduler,
-            SD3Transformer2DModel,
-            StableDiffusion3Pipeline,
-        )
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
         from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
         torch.manual_seed(seed)
@@ -339,15 +227,5 @@ class SD3(Family):
             pos_embed_max_size=96,  # positions for latents up to 192 (1536 px), as SD3 at 2x
         )
         scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
-        pipe = StableDiffusion3Pipeline(
-            transformer=transformer,
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2,
-            text_encoder_3=text_encoder_3,
-            tokenizer_3=tokenizer_3,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+        text = (text_encoder, tokenizer, text_encoder_2, tokenizer_2, text_encoder_3, tokenizer_3)
+        return self.save_tiny(out_dir, transformer, vae, *text, scheduler)

@@ -10,6 +10,7 @@ from kit.families import adapter_keys, ldm, register, tiny
 from kit.families.base import PARTS, Components, Family, posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.ldm import ldm_aliases
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import DDPM_SAMPLERS
 from kit.families.shipped import config_source
 
@@ -33,6 +34,14 @@ def pool_at_eos(encoder: Any, tokenizer: Any) -> None:
 @register
 class SDXL(Family):
     name = "sdxl"
+    # Training noise comes from a DDPM schedule built from the sampler's config.
+    parts = (
+        denoiser("UNet2DConditionModel", "unet"),
+        vae(),
+        *text("CLIPTextModel", "CLIPTokenizer", trainable=True),
+        *text("CLIPTextModelWithProjection", "CLIPTokenizer", 2, trainable=True),
+        scheduler("DDPMScheduler"),
+    )
     samplers = DDPM_SAMPLERS
     size_multiple = 8
     native_resolution = 1024
@@ -53,7 +62,6 @@ class SDXL(Family):
     # kit's images and a plain diffusers redraw agree on any machine.
     pipeline_kwargs = {"add_watermarker": False}
 
-    text_subfolders = ("text_encoder", "text_encoder_2")
     # A1111 / ComfyUI SDXL checkpoints: the UNet with its size embedding, the two encoders each
     # under its own prefix (told apart by prefix, not width).
     single_file_markers = ("diffusion_model.input_blocks.0.0.weight", "label_emb.0.0.weight")
@@ -74,42 +82,12 @@ class SDXL(Family):
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
     ) -> Components:
-        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-        # Training noise comes from a DDPM schedule built from the sampler's config.
-        source = self.model_source(pretrained)
-        scheduler = DDPMScheduler.from_pretrained(source, subfolder="scheduler", revision=revision)
-        comps = self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(UNet2DConditionModel, "unet"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[
-                (CLIPTextModel, "text_encoder"),
-                (CLIPTextModelWithProjection, "text_encoder_2"),
-            ],
-            tokenizers=list(self._tokenizers(pretrained, revision).values()),
-            scheduler=scheduler,
+        comps = super().load(
+            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
         )
         if comps.text_encoders:
             pool_at_eos(comps.text_encoders[1], comps.tokenizers[1])
         return comps
-
-    def load_tokenizers(self, pretrained):
-        return self._tokenizers(pretrained)
-
-    def _tokenizers(self, pretrained: str, revision: str | None = None) -> dict[str, Any]:
-        from transformers import CLIPTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer", "tokenizer_2"))
-        return {
-            enc: CLIPTokenizer.from_pretrained(source, subfolder=sub, revision=revision)
-            for enc, sub in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2"))
-        }
 
     def encode_text(self, comps, captions):
         # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders
@@ -177,20 +155,6 @@ class SDXL(Family):
             **self.pipeline_kwargs,
         )
 
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKL, UNet2DConditionModel
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(UNet2DConditionModel, "unet"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[
-                (CLIPTextModel, "text_encoder"),
-                (CLIPTextModelWithProjection, "text_encoder_2"),
-            ],
-        )
-
     def denoiser_inputs(self, parts, batch, height, width):
         unet, vae = parts["denoiser"], parts["vae"]
         te1, te2 = parts["text_encoder"].config, parts["text_encoder_2"].config
@@ -207,11 +171,7 @@ class SDXL(Family):
         return (latents, steps), {"encoder_hidden_states": embeds, "added_cond_kwargs": added}
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            EulerDiscreteScheduler,
-            StableDiffusionXLPipeline,
-            UNet2DConditionModel,
-        )
+        from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
         torch.manual_seed(seed)
@@ -255,17 +215,8 @@ class SDXL(Family):
             steps_offset=1,
             prediction_type="epsilon",
         )
-        pipe = StableDiffusionXLPipeline(
-            vae=vae,
-            text_encoder=text_encoder,
-            text_encoder_2=text_encoder_2,
-            tokenizer=tokenizer,
-            tokenizer_2=tokenizer_2,
-            unet=unet,
-            scheduler=scheduler,
-            **self.pipeline_kwargs,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+        text = (text_encoder, tokenizer, text_encoder_2, tokenizer_2)
+        return self.save_tiny(out_dir, unet, vae, *text, scheduler, **self.pipeline_kwargs)
 
     # ------------------------------------------------------------ clients
 

@@ -15,7 +15,8 @@ from PIL import Image
 from kit.config import Config
 from kit.errors import KitError
 from kit.families import adapter_keys, register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw, flow_sampling, posterior_latent
+from kit.families.base import PARTS, Components, NoiseDraw
+from kit.families.flow import ATTENTION, FlowFamily
 from kit.families.identity import (
     base_identity,
     fingerprint,
@@ -23,7 +24,8 @@ from kit.families.identity import (
     saved_scheduler,
     single_file,
 )
-from kit.families.noise import flow_noise_and_target, flow_sigmas
+from kit.families.noise import flow_sigmas
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import FLOW_SAMPLERS
 from kit.families.wan import i2v as wan_i2v
 from kit.families.wan import layout as wan_layout
@@ -45,12 +47,10 @@ from kit.families.wan.experts import (
 
 TEMPORAL_FACTOR = 4
 """Frames per latent frame after the first (AutoencoderKLWan's `scale_factor_temporal`)."""
-DEFAULT_SEQUENCE_LENGTH = 512
-"""UMT5 tokens the pipeline pads every prompt to unless told otherwise."""
 
 
 @register
-class Wan(Family):
+class Wan(FlowFamily):
     name = "wan"
     samplers = FLOW_SAMPLERS
     size_multiple = 16
@@ -60,7 +60,7 @@ class Wan(Family):
     bucket_step = 16
     # Wan 2.1 has no separate temporal attention: each block's self-attention (attn1) runs over
     # all frames' tokens at once (spatio-temporal), and attn2 attends to the text.
-    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
+    default_lora_targets = ATTENTION
     pipeline_class = "WanPipeline"
     default_guidance_scale = 5.0  # WanPipeline's default
     lora_layers_kwarg = "transformer_lora_layers"
@@ -98,11 +98,6 @@ class Wan(Family):
         super().__init__(self.cfg)
         wan_i2v.check_run(self.i2v, self.cfg, self.frame_count(self.cfg.data.num_frames))
 
-    @property
-    def max_sequence_length(self) -> int:
-        """UMT5 tokens per caption: the config's `max_sequence_length`, else the pipeline's 512."""
-        return self.cfg.model.max_sequence_length or DEFAULT_SEQUENCE_LENGTH
-
     def frame_count(self, available: int) -> int:
         """The most frames <= `available` a Wan clip can have (4k+1); 0 when none."""
         return (available - 1) // TEMPORAL_FACTOR * TEMPORAL_FACTOR + 1 if available > 0 else 0
@@ -116,6 +111,17 @@ class Wan(Family):
 
     # ------------------------------------------------------------ loading
 
+    # The transformer is the one expert of Wan 2.1 and 2.2 TI2V, A14B's high-noise one: `load`
+    # adds its low-noise `transformer_2` (same class) where the base has two.
+    parts = (
+        denoiser("WanTransformer3DModel"),
+        vae("AutoencoderKLWan"),
+        *text("UMT5EncoderModel", "AutoTokenizer"),
+        scheduler(),
+    )
+    vae_frames = True
+    meta_buffers = True  # the rotary tables must be on the meta device with the activations
+
     # The transformer alone in Wan's own layout, as ComfyUI's diffusion_models hold it.
     single_file_markers = ("blocks.0.self_attn.q.weight",)
 
@@ -123,7 +129,7 @@ class Wan(Family):
         # Read before anything is cached: `train_experts` on a base without experts is refused.
         self.experts(pretrained)
         # Cached embeddings are padded to the sequence length, so it is part of their key.
-        return self.max_sequence_length
+        return self.max_sequence_length()
 
     def identity(self, pretrained, revision=None):
         ident = super().identity(pretrained, revision)
@@ -187,38 +193,19 @@ class Wan(Family):
         # diffusers' WanLoraLoaderMixin loads into transformer_2 when asked, by this keyword.
         return {"load_into_transformer_2": True} if part == FILE_SUFFIX["low"] else {}
 
+    original_layout = staticmethod(wan_layout.to_original)
+
     def client_models(self, comps):
         # ComfyUI holds Wan in its original layout and reads LoRA by those names only.
         t = comps.denoiser
-        original = wan_layout.to_original(t.state_dict(), dict(t.config))
+        original = self.original_state(t)
         return {"ComfyUI": (adapter_keys.prefixed("diffusion_model.", original), None)}
-
-    def single_file_state_dict(self, comps):
-        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
-        # model beside the base's own text encoders and VAE.
-        t = comps.denoiser
-        return wan_layout.to_original(t.state_dict(), dict(t.config))
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("WanTransformer3DModel", path, config_source)
 
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
     ) -> Components:
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import UMT5EncoderModel
-
-        comps = self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(WanTransformer3DModel, "transformer"),
-            vae=(AutoencoderKLWan, "vae"),
-            encoders=[(UMT5EncoderModel, "text_encoder")],
-            tokenizers=[self._tokenizer(pretrained, revision)],
-            scheduler=self._training_scheduler(pretrained, revision),
+        comps = super().load(
+            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
         )
         source = self.model_source(pretrained)
         info = read_experts(source)
@@ -229,13 +216,15 @@ class Wan(Family):
                     "the two-expert model from its diffusers folder or hub id"
                 )
             _refuse_with_experts()
-            low = WanTransformer3DModel.from_pretrained(
+            expert = self.part("denoiser").cls()  # the low-noise one: same class, own config
+            low = expert.from_pretrained(
                 source,
                 subfolder=PIPELINE_NAMES["low"],
                 revision=revision,
                 variant=variant,
                 torch_dtype=part_dtype(dtype, "denoiser"),
-            ).requires_grad_(False)
+            )
+            low.requires_grad_(False)
             steps = comps.noise_scheduler.config.num_train_timesteps
             trained = self.experts(source)
             comps.denoiser = WanExperts(
@@ -243,19 +232,10 @@ class Wan(Family):
             )
         return comps
 
-    def load_tokenizers(self, pretrained):
-        return {"text_encoder": self._tokenizer(pretrained)}
-
     def token_limit(self, encoder, tokenizer):
-        return self.max_sequence_length
+        return self.max_sequence_length()
 
-    def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
-        from transformers import AutoTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        return AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
-
-    def _training_scheduler(self, pretrained: str, revision: str | None) -> Any:
+    def load_scheduler(self, pretrained, revision):
         """Flow matching with the configured shift, else the saved sampler's (Wan ships UniPC)."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -279,7 +259,7 @@ class Wan(Family):
         inputs = tok(
             [prompt_clean(c) for c in captions],
             padding="max_length",
-            max_length=self.max_sequence_length,
+            max_length=self.max_sequence_length(),
             truncation=True,
             add_special_tokens=True,
             return_attention_mask=True,
@@ -290,17 +270,6 @@ class Wan(Family):
         # As WanPipeline: positions past a caption's tokens are zeros, not the encoder's padding.
         return {"prompt_embeds": torch.where(mask.bool().unsqueeze(-1), embeds, 0.0)}
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        if pixels.ndim == 4:
-            pixels = pixels.unsqueeze(2)  # (B, 3, H, W) → a one-frame clip
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        latents = posterior_latent(dist, generator)
-        mean, std = _latent_stats(vae, latents)
-        # The inverse of WanPipeline's decode (latents * std + mean).
-        return (latents - mean) / std
-
     # ------------------------------------------------------------ training
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
@@ -308,39 +277,23 @@ class Wan(Family):
         experts = getattr(comps.denoiser, "module", comps.denoiser)  # DDP keeps it in .module
         if not isinstance(experts, WanExperts):
             return self.flow_draw(comps, latents, generator, shift)
-        return self._expert_draw(experts, latents, generator, shift)
+        return self._expert_draw(comps, experts, latents, generator, shift)
 
-    def _expert_draw(self, experts: WanExperts, latents, generator, shift) -> NoiseDraw:
+    def _expert_draw(self, comps, experts: WanExperts, latents, generator, shift) -> NoiseDraw:
         """`flow_draw` on one expert's side of the boundary: the trained expert's, or with both
         trained the expert of a first σ drawn from the whole distribution (see wan_experts)."""
-        from diffusers.training_utils import compute_loss_weighting_for_sd3
-
-        o = self.cfg.objective
         steps = experts.num_train_timesteps
-        options = {
-            "sampling": flow_sampling(o.timestep_sampling, o.loss_weighting),
-            "logit_mean": o.logit_mean,
-            "logit_std": o.logit_std,
-            "mode_scale": o.mode_scale,
-            "shift": shift,
-            "min_timestep": o.min_timestep,
-            "max_timestep": o.max_timestep,
-        }
         if len(experts.trained) == 1:
             name = experts.trained[0]
         else:
-            first = flow_sigmas(1, generator, **options) * steps
+            first = flow_sigmas(1, generator, **self.flow_options(), shift=shift) * steps
             name = "high" if bool(experts.expert_of(first)[0]) else "low"
-        draw = flow_noise_and_target(
-            latents,
-            generator,
-            **options,
-            num_train_timesteps=steps,
-            accept=accept_for(experts, name),
+        draw = self.flow_draw(
+            comps, latents, generator, shift, steps, accept=accept_for(experts, name)
         )
-        if o.loss_weighting != "none":
-            draw.weight = compute_loss_weighting_for_sd3(o.loss_weighting, draw.timesteps / steps)
-        draw.part = FILE_SUFFIX[name]
+        draw.part = FILE_SUFFIX[
+            name
+        ]  # which expert drew it: counted, an expert never drawn is named
         return draw
 
     def pixel_conditioning(self, comps, pixels):
@@ -384,8 +337,7 @@ class Wan(Family):
     # ------------------------------------------------------------ sampling
 
     def pipeline(self, comps):
-        import diffusers
-
+        # The base's own sampler (Wan ships UniPC), and both experts or the image encoder.
         denoiser = getattr(comps.denoiser, "module", comps.denoiser)
         experts: dict[str, Any] = {"transformer": denoiser}
         if isinstance(denoiser, WanExperts):
@@ -400,10 +352,8 @@ class Wan(Family):
                 self._image_encoder = wan_i2v.load_encoder(comps.source)
             processor, encoder = self._image_encoder
             experts.update(image_processor=processor, image_encoder=encoder)
-        return getattr(diffusers, self.pipeline_class)(
-            tokenizer=comps.tokenizers[0],
-            text_encoder=comps.text_encoders[0],
-            vae=comps.vae,
+        return self.build_pipeline(
+            comps,
             scheduler=saved_scheduler(comps.source, "FlowMatchEulerDiscreteScheduler"),
             expand_timesteps=bool(read_index(comps.source).get("expand_timesteps")),
             **experts,
@@ -418,7 +368,7 @@ class Wan(Family):
             "num_frames": self.frame_count(self.cfg.data.num_frames),
             "num_inference_steps": spec.num_inference_steps,
             "guidance_scale": spec.guidance_scale,
-            "max_sequence_length": self.max_sequence_length,
+            "max_sequence_length": self.max_sequence_length(),
         }
         if spec.adapter_scale != 1.0:
             kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
@@ -445,25 +395,16 @@ class Wan(Family):
     # ------------------------------------------------------------ memory estimate
 
     def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import UMT5EncoderModel
-
-        # Buffers too: the rotary tables must be on the meta device with the activations.
-        parts = self.empty_from_configs(
-            pretrained,
-            denoiser=(WanTransformer3DModel, "transformer"),
-            vae=(AutoencoderKLWan, "vae"),
-            encoders=[(UMT5EncoderModel, "text_encoder")],
-            include_buffers=True,
-        )
+        parts = super().empty_parts(pretrained)
         source = self.model_source(pretrained)
         trained = self.experts(source)  # refuses train_experts on a base without experts
         info = read_experts(source)
         if info is not None:
             # The second expert: the same architecture, its own config.
-            config = WanTransformer3DModel.load_config(source, subfolder=PIPELINE_NAMES["low"])
+            cls = self.part("denoiser").cls()
+            config = cls.load_config(source, subfolder=PIPELINE_NAMES["low"])
             with torch.device("meta"):
-                low = WanTransformer3DModel.from_config(config)
+                low = cls.from_config(config)
             steps = saved_scheduler(source, "FlowMatchEulerDiscreteScheduler").config
             parts["denoiser"] = WanExperts(
                 parts["denoiser"],
@@ -483,7 +424,7 @@ class Wan(Family):
         latents = torch.zeros(batch, c, latent_frames, height // s, width // s, device="meta")
         steps = torch.zeros(batch, device="meta")
         embeds = torch.zeros(
-            batch, self.max_sequence_length, transformer.config.text_dim, device="meta"
+            batch, self.max_sequence_length(), transformer.config.text_dim, device="meta"
         )
         kwargs = {"encoder_hidden_states": embeds}
         if transformer.config.image_dim is not None:  # Wan 2.1 I2V's CLIP image tokens
@@ -524,13 +465,7 @@ class Wan(Family):
         )
         # The VAE of diffusers' own Wan pipeline tests; a slightly wider transformer than theirs,
         # so a few steps of LoRA visibly move its samples.
-        vae = AutoencoderKLWan(
-            base_dim=3,
-            z_dim=16,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-        )
+        vae = tiny.wan_vae()
         if ti2v:  # the Wan 2.2 VAE: 48 channels, 16x in space (2x2 pixel patches inside)
             vae = AutoencoderKLWan(
                 base_dim=12,
@@ -590,11 +525,3 @@ def _refuse_with_experts() -> None:
             "its timesteps, which differs between processes); launch without accelerate / "
             "torchrun, or train one expert per run (train_experts: high, then low)"
         )
-
-
-def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE config's per-channel latent mean and std, shaped to broadcast over (B, C, F, H, W)."""
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean).view(shape).to(like.device, like.dtype)
-    std = torch.tensor(vae.config.latents_std).view(shape).to(like.device, like.dtype)
-    return mean, std

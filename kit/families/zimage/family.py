@@ -13,17 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kit.errors import ConfigError
 from kit.families import adapter_keys, register, tiny
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.flow import ATTENTION, FlowFamily
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 from kit.families.zimage import layout as zimage_layout
 
 if TYPE_CHECKING:
-    from kit.config import Config
+    pass
 
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # ZImagePipeline's default `max_sequence_length`
 TURBO_SHIFT = 3.0
 """The σ shift of Z-Image Turbo's released scheduler config; the base Z-Image ships 6.0."""
 TURBO, BASE = "Turbo", "base"
@@ -90,10 +89,11 @@ def qwen_tokenizer() -> Any:
 
 
 @register
-class ZImage(Family):
+class ZImage(FlowFamily):
     """Z-Image Turbo or base; which one is read from the scheduler config (`variant_of`)."""
 
     name = "zimage"
+    bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
     # The pipeline hands its scheduler custom sigmas (a list), which only flow Euler takes.
     samplers = (DEFAULT, "flow_euler")
     size_multiple = 16
@@ -102,15 +102,7 @@ class ZImage(Family):
     bucket_step = 64
     # Every linear layer of the attention and the feed-forward of every block: the main stack
     # and both refiners (the modulation layers stay frozen unless named).
-    default_lora_targets = (
-        "to_q",
-        "to_k",
-        "to_v",
-        "to_out.0",
-        "feed_forward.w1",
-        "feed_forward.w2",
-        "feed_forward.w3",
-    )
+    default_lora_targets = (*ATTENTION, "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
     pipeline_class = "ZImagePipeline"
     pipeline_kwargs: dict[str, Any] = {}
     lora_layers_kwarg = "transformer_lora_layers"
@@ -127,19 +119,6 @@ class ZImage(Family):
     client_versions = {"ComfyUI": zimage_layout.COMFYUI_SINCE}
     client_title = "Z-Image"
     variants = (TURBO, BASE)
-
-    def __init__(self, cfg: Config | None = None) -> None:
-        super().__init__(cfg)
-        step = self.cfg.data.bucket_step
-        if step % 16:
-            # ZImagePipeline refuses sides not divisible by the VAE's 8x times the 2x2 patches.
-            raise ConfigError(
-                f"bucket_step: {step} must be a multiple of 16 for zimage (64 is usual)"
-            )
-
-    def max_sequence_length(self) -> int:
-        """Qwen3 tokens per caption (chat template included): configured, else 512."""
-        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
     # ------------------------------------------------------------ variants
 
@@ -184,48 +163,16 @@ class ZImage(Family):
 
     # ------------------------------------------------------------ loading
 
-    text_subfolders = ("text_encoder",)
+    parts = (
+        denoiser("ZImageTransformer2DModel"),
+        vae(),
+        *text("Qwen3Model", "AutoTokenizer"),
+        scheduler(),
+    )
+
     quantized_text_encoders = ("text_encoder",)  # Qwen3-4B, large and only ever read frozen
     # Tongyi-MAI's transformer file (ComfyUI's diffusion_models), in the original layout.
     single_file_markers = ("layers.0.attention.qkv.weight", "cap_embedder.1.weight")
-
-    def identity_extras(self, pretrained, revision):
-        # The caption length is the cached embeddings' padded length: part of their key.
-        return self.max_sequence_length()
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import (
-            AutoencoderKL,
-            FlowMatchEulerDiscreteScheduler,
-            ZImageTransformer2DModel,
-        )
-        from transformers import Qwen3Model
-
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(ZImageTransformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(Qwen3Model, "text_encoder")],
-            tokenizers=[self._tokenizer(pretrained, revision)],
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return {"text_encoder": self._tokenizer(pretrained)}
-
-    def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
-        from transformers import AutoTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        return AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
 
     def token_limit(self, encoder, tokenizer):
         # The pipeline cuts the caption *inside* its chat template at `max_sequence_length`
@@ -256,20 +203,7 @@ class ZImage(Family):
         padded, mask = pad_embeds(embeds, self.max_sequence_length())
         return {"prompt_embeds": padded, "prompt_embeds_mask": mask}
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        dist = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist
-        latents = posterior_latent(dist, generator)
-        # ZImagePipeline decodes with latents / scaling + shift: this is its inverse.
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
-
     # ------------------------------------------------------------ training
-
-    def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
-        config = comps.noise_scheduler.config
-        shift = self.flow_shift(config, latents.shape[-2], latents.shape[-1])
-        return self.flow_draw(comps, latents, generator, shift)
 
     def prompt_kwargs(self, text):
         # ZImagePipeline takes each prompt's embedding as one tensor of its own length.
@@ -289,49 +223,16 @@ class ZImage(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        from diffusers import ZImagePipeline
-
-        # A fresh scheduler: sampling changes its state.
-        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return ZImagePipeline(
-            scheduler=scheduler,
-            vae=comps.vae,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=comps.denoiser,
-        )
-
     def call_kwargs(self, spec):
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            "num_inference_steps": spec.num_inference_steps,
-            # CFG runs only when the scale is above 0 (ZImagePipeline's rule), as
-            # pos + scale · (pos − neg); the negative prompt acts only then.
-            "guidance_scale": spec.guidance_scale,
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length(),
-        }
+        # CFG runs only when the scale is above 0 (ZImagePipeline's rule), as
+        # pos + scale · (pos − neg); the negative prompt acts only then.
+        kwargs = super().call_kwargs(spec)
         if spec.negative_prompt or spec.guidance_scale > 0:
             # With CFG the empty negative prompt too, as the pipeline takes None to mean "".
             kwargs["negative_prompt"] = spec.negative_prompt
-        if spec.adapter_scale != 1.0:
-            kwargs["joint_attention_kwargs"] = {"scale": spec.adapter_scale}
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
-
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKL, ZImageTransformer2DModel
-        from transformers import Qwen3Model
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(ZImageTransformer2DModel, "transformer"),
-            vae=(AutoencoderKL, "vae"),
-            encoders=[(Qwen3Model, "text_encoder")],
-        )
 
     def denoiser_inputs(self, parts, batch, height, width):
         transformer, vae = parts["denoiser"], parts["vae"]
@@ -348,11 +249,7 @@ class ZImage(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        from diffusers import (
-            FlowMatchEulerDiscreteScheduler,
-            ZImagePipeline,
-            ZImageTransformer2DModel,
-        )
+        from diffusers import FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
         from transformers import Qwen3Config, Qwen3Model
 
         torch.manual_seed(seed)
@@ -371,15 +268,7 @@ class ZImage(Family):
                 pad_token_id=tokenizer.pad_token_id,
             )
         )
-        vae = tiny.autoencoder_kl(
-            block_out_channels=(16, 32, 32, 32),
-            latent_channels=16,
-            sample_size=64,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.1159,  # Flux's VAE values, which Z-Image uses
-            scaling_factor=0.3611,
-        )
+        vae = tiny.flux_vae()  # Flux's VAE, which Z-Image uses
         transformer = ZImageTransformer2DModel(
             in_channels=16,
             dim=32,
@@ -395,50 +284,20 @@ class ZImage(Family):
         scheduler = FlowMatchEulerDiscreteScheduler(
             num_train_timesteps=1000, shift=TURBO_SHIFT, use_dynamic_shifting=False
         )
-        pipe = ZImagePipeline(
-            scheduler=scheduler,
-            vae=vae,
-            text_encoder=text_encoder,
-            tokenizer=tokenizer,
-            transformer=transformer,
-        )
-        return tiny.save_pipeline(pipe, out_dir)
+        return self.save_tiny(out_dir, transformer, vae, text_encoder, tokenizer, scheduler)
 
     # ------------------------------------------------------------ export
+
+    original_layout = staticmethod(zimage_layout.to_original)
 
     def client_models(self, comps):
         # ComfyUI holds Z-Image in the original layout (fused qkv) and maps the file's
         # `diffusion_model.<diffusers path>` names onto it, q / k / v as row slices of qkv.
         t = comps.denoiser
         config = dict(t.config)
-        model = adapter_keys.prefixed(
-            "diffusion_model.", zimage_layout.to_original(t.state_dict(), config)
-        )
+        model = adapter_keys.prefixed("diffusion_model.", self.original_state(t))
         aliases = adapter_keys.offset_aliases(zimage_layout.weight_modules(config))
         return {"ComfyUI": (model, aliases)}
-
-    def single_file_state_dict(self, comps):
-        # The transformer alone, in its original layout: the file ComfyUI loads as a diffusion
-        # model beside the base's own text encoder and VAE.
-        t = comps.denoiser
-        return zimage_layout.to_original(t.state_dict(), dict(t.config))
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("ZImageTransformer2DModel", path, config_source)
-
-    # ------------------------------------------------------------ helpers
-
-    def _text_pipeline(self, comps: Components) -> Any:
-        """A ZImagePipeline holding only the text parts (enough for `encode_prompt`)."""
-        from diffusers import ZImagePipeline
-
-        return ZImagePipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=None,
-        )
 
 
 def transformer_inputs(
