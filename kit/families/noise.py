@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +20,9 @@ class NoiseDraw:
     target: torch.Tensor
     weight: torch.Tensor | None = None
     """Per-sample loss weight (e.g. a flow-matching density correction); None means 1."""
+    joint: dict[str, NoiseDraw] = field(default_factory=dict)
+    """The draws of the family's `joint_latents` (LTX-2's sound), at these same timesteps; each
+    one's `weight` is its own per-sample loss weight (0 for a silent clip's sound)."""
 
 
 def flow_sampling(sampling: str, loss_weighting: str) -> str:

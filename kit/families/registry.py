@@ -45,7 +45,7 @@ def _discover() -> dict[str, FamilyInfo]:
 FAMILIES: dict[str, FamilyInfo] = _discover()
 """This package's families, found from their folders; each class repeats these facts."""
 
-CHECKED = ("bucket_step", "native_resolution", "hub_id", "video")
+CHECKED = ("bucket_step", "native_resolution", "hub_id", "video", "audio")
 """The facts `register` compares between a class and its entry in `FAMILIES`."""
 
 _CLASSES: dict[str, type[Family]] = {}
