@@ -141,3 +141,157 @@ def test_silent_clip_weighs_nothing(loaded):
     assert not torch.equal(
         silent["audio_latents"], family.encode_sound(comps, tone(1.0), 9, 24.0)["audio_latents"]
     )
+
+
+# ---------------------------------------------------------------- clips with their sound
+
+
+def write_clip(path: Path, frames: int = 17, fps: int = 24, seconds: float | None = None) -> Path:
+    """An MP4 of `frames` moving-colour frames at `fps`, with a tone of `seconds` (None: as
+    long as the frames; 0: no audio track), and its caption beside it."""
+    from PIL import Image
+
+    from kit.families.samplers import Clip
+    from kit.sample.clips import write_mp4
+
+    images = [Image.new("RGB", (64, 64), (20 * i % 256, 200, 60)) for i in range(frames)]
+    length = frames / fps if seconds is None else seconds
+    clip = Clip(images, tone(length).numpy(), 16000) if length else images
+    write_mp4(clip, path, fps)
+    path.with_suffix(".txt").write_text(CAPTION)
+    return path
+
+
+def test_sound_is_read_for_each_window_and_counted(tmp_path, loaded):
+    from kit.config import DataConfig
+    from kit.data import sound
+    from kit.data.report import bucket_report, report_lines
+    from kit.data.scan import load_samples
+
+    family, comps = loaded
+    data = tmp_path / "data"
+    data.mkdir()
+    heard = write_clip(data / "heard.mp4")
+    write_clip(data / "quiet.mp4", seconds=0)
+    assert sound.probe(heard) == (True, 24.0) and sound.probe(data / "quiet.mp4")[0] is False
+    wave = sound.read_sound(heard, 8 / 24, 9 / 24, 16000)
+    assert wave.shape == (2, 6000) and abs(float(wave.std()) - 0.3 * 0.79 / 2**0.5) < 0.05
+    samples = load_samples(DataConfig(image_dir=str(data), num_frames=9), family)
+    by_name = {s.image.name: s for s in samples}
+    entry = sound.clip_sound(family, comps, by_name["heard.mp4"], tuple(range(8, 17)))
+    assert float(entry["audio_latents_weight"]) == 1 and float(entry["frame_rate"]) == 24
+    # The window's own stretch: the same sound read directly and encoded gives the same latents.
+    direct = family.encode_sound(comps, torch.from_numpy(wave), 9, 24.0)
+    assert torch.equal(entry["audio_latents"], direct["audio_latents"])
+    silent = sound.clip_sound(family, comps, by_name["quiet.mp4"], tuple(range(9)))
+    assert float(silent["audio_latents_weight"]) == 0
+
+    cfg = Config().replace(
+        model_family="ltx2", image_dir=str(data), num_frames=9, resolution=64, bucket_step=32
+    )
+    report = bucket_report(cfg)
+    assert (report["clips_with_sound"], report["silent_clips"]) == (1, 1)
+    assert "1 clip(s) with sound, 1 silent (silent clips train video only)" in report_lines(report)
+
+
+def test_bad_sound_and_short_clips_are_named(tmp_path, loaded):
+    from kit.config import DataConfig
+    from kit.data import sound
+    from kit.data.scan import load_samples, scan
+
+    family, comps = loaded
+    data = tmp_path / "data"
+    data.mkdir()
+    # The sound stops after 0.1 s: the window from frame 8 on has none to decode.
+    cut = write_clip(data / "cut.mp4", seconds=0.1)
+    (s,) = load_samples(DataConfig(image_dir=str(data), num_frames=9), family)
+    with pytest.warns(UserWarning, match=rf"{cut}: its sound cannot be decoded.*trains silent"):
+        entry = sound.clip_sound(family, comps, s, tuple(range(8, 17)))
+    assert float(entry["audio_latents_weight"]) == 0
+    # A clip shorter than one window (9 frames: 8k+1) is skipped, and named.
+    write_clip(data / "short.mp4", frames=5)
+    report = scan(DataConfig(image_dir=str(data), num_frames=9), family)
+    assert [x.image.name for x in report.samples] == ["cut.mp4"]
+    (problem,) = report.problems()
+    assert "too short" in problem and str(data / "short.mp4") in problem
+
+
+def test_validation_clip_plays_with_its_sound(loaded, tmp_path):
+    from kit.data import sound
+    from kit.families.base import ImageSpec
+    from kit.sample.validate import run_validation
+
+    family, comps = loaded
+    spec = ImageSpec(CAPTION, "", 0, 2, 3.0, 64, 64)
+    run_validation(
+        family, family.pipeline(comps), [spec], tmp_path, cols=1, meta={"base_model": "x"}
+    )
+    mp4 = tmp_path / "00_seed0.mp4"
+    assert sound.probe(mp4) == (True, 24.0)
+    wave = sound.read_sound(mp4, 0.0, 9 / 24, 24000)
+    assert wave.shape[0] == 2 and wave.shape[1] > 0.3 * 24000
+
+
+@pytest.mark.slow
+def test_two_steps_on_a_clip_with_sound_train_and_export(tmp_path, ltx2_base):
+    from diffusers import LTX2Pipeline
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from kit.config import load_config
+    from kit.data import sound
+    from kit.data.cache import build_cache
+    from kit.export.writer import export
+    from kit.run import checkpoint as ckpt
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_clip(data / "heard.mp4")
+    path = write_run_config(
+        tmp_path / "run.json",
+        base=ltx2_base,
+        data=data,
+        family="ltx2",
+        num_frames=9,
+        max_sequence_length=32,
+        train_batch_size=1,
+        max_train_steps=2,
+        validation_prompt=[CAPTION],
+    )
+    cfg = load_config(path)
+    family = get_family("ltx2", cfg)
+    cached = build_cache(cfg, family, family.load(str(ltx2_base)))
+    batch = cached.load_batch([0])
+    assert batch["audio_latents"].shape == (1, 9, 16) and float(batch["audio_latents_weight"]) == 1
+    state = train(cfg)
+    assert state.step == 2
+    trained = load_file(str(ckpt.checkpoint_dir(tmp_path / "run", 2) / ckpt.ADAPTER_FILE))
+    assert any(
+        "audio_attn" in k and "lora_B" in k and w.abs().sum() > 0 for k, w in trained.items()
+    )
+    result = export(tmp_path / "run", "diffusers")
+    assert result.verification.passed, result.verification
+    pipe = LTX2Pipeline.from_pretrained(str(ltx2_base))
+    pipe.load_lora_weights(str(tmp_path / "run/exports/diffusers"))
+    loaded = get_peft_model_state_dict(pipe.transformer, adapter_name="default_0")
+    assert set(loaded) == set(trained)
+    assert all(torch.equal(loaded[k], trained[k]) for k in trained)
+    # The run's own validation clip plays with its sound.
+    (mp4,) = sorted((tmp_path / "run/validation").rglob("*.mp4"))
+    assert sound.probe(mp4)[0]
+
+
+def test_lora_round_trips_through_the_pipeline(loaded, ltx2_base, tmp_path):
+    from diffusers import LTX2Pipeline
+
+    from kit.methods import get_method
+    from tests.conftest import lora_loads_exactly
+
+    family, _ = loaded
+    cfg = Config().replace(model_family="ltx2", lora_rank=2)
+    comps = get_family("ltx2", cfg).load(str(ltx2_base))
+    summary = get_method(cfg, family).attach(comps)
+    assert any("audio_to_video_attn" in m for m in summary.modules)
+    lora_loads_exactly(family, comps, LTX2Pipeline.from_pretrained(str(ltx2_base)), tmp_path)

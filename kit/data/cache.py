@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kit.config import Config
-from kit.data import video
+from kit.data import sound, video
 from kit.data.augment import augmentation_enabled, caption_variants
 from kit.data.blob import Blob
 from kit.data.buckets import BucketPlan, plan_dataset, with_mirrored
@@ -448,9 +448,9 @@ def _encode_missing(
         entry = {"latents": lat}
         if mask is not None:
             entry["loss_mask"] = latent_mask(mask, lat.shape)
-        # What the pixels condition the denoiser with besides (image-to-video's frame): cached
-        # with the latents; a family's loss mask and the masked-loss one multiply.
-        for k, v in family.pixel_conditioning(comps, pixels).items():
+        # The pixels' conditioning (image-to-video's frame), the sound: cached; loss masks multiply.
+        heard = sound.clip_sound(family, comps, s, p.frames, raw)  # `Family.audio` families only
+        for k, v in {**family.pixel_conditioning(comps, pixels), **heard}.items():
             v = v.float().cpu().contiguous()
             entry[k] = v * entry[k] if k in entry else v
         data.store.put(f, entry)
