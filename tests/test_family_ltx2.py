@@ -295,3 +295,23 @@ def test_lora_round_trips_through_the_pipeline(loaded, ltx2_base, tmp_path):
     summary = get_method(cfg, family).attach(comps)
     assert any("audio_to_video_attn" in m for m in summary.modules)
     lora_loads_exactly(family, comps, LTX2Pipeline.from_pretrained(str(ltx2_base)), tmp_path)
+
+
+@pytest.mark.slow
+def test_estimate_answers_for_the_hub_id_without_a_download(tmp_path, capsys, monkeypatch):
+    import json
+
+    from kit.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("KIT_VRAM_CACHE", str(tmp_path / "vram"))
+    path = tmp_path / "ltx2.json"
+    base = get_family("ltx2").hub_id  # the family's maintained base: Lightricks/LTX-2
+    fields = {"model_family": "ltx2", "pretrained_model": base, "resolution": 256, "num_frames": 9}
+    path.write_text(json.dumps({**fields, "mixed_precision": "bf16"}))
+    assert main(["estimate", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # The shipped configs build the 19 B transformer (bf16: 2 bytes a parameter).
+    assert 18.5e9 < out["components"]["denoiser_weights"] / 2 < 19.5e9
+    assert out["details"]["setup"]["connectors_weights"] > 0
+    assert out["components"]["activations"] > 0
