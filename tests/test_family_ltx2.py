@@ -315,3 +315,21 @@ def test_estimate_answers_for_the_hub_id_without_a_download(tmp_path, capsys, mo
     assert 18.5e9 < out["components"]["denoiser_weights"] / 2 < 19.5e9
     assert out["details"]["setup"]["connectors_weights"] > 0
     assert out["components"]["activations"] > 0
+
+
+def test_original_layout_is_the_one_diffusers_reads_back(loaded):
+    """The ComfyUI (original) names given to every transformer weight are the ones diffusers'
+    own converter of original-layout LTX-2 LoRA files maps back onto the diffusers model."""
+    from diffusers.loaders.lora_conversion_utils import (
+        _convert_non_diffusers_ltx2_lora_to_diffusers,
+    )
+
+    from kit.families.ltx2 import layout
+
+    _, comps = loaded
+    state = comps.denoiser.state_dict()
+    original = {f"diffusion_model.{k}": v for k, v in layout.to_original(state).items()}
+    back = _convert_non_diffusers_ltx2_lora_to_diffusers(original)
+    assert sorted(back) == sorted(f"transformer.{k}" for k in state)
+    assert "diffusion_model.audio_patchify_proj.weight" in original
+    assert "diffusion_model.transformer_blocks.0.audio_to_video_attn.to_out.0.weight" in original

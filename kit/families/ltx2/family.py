@@ -24,9 +24,10 @@ from PIL import Image
 
 from kit.config import Config
 from kit.errors import KitError
-from kit.families import register
+from kit.families import adapter_keys, register
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import base_identity, fingerprint, saved_scheduler
+from kit.families.ltx2 import layout as ltx2_layout
 from kit.families.ltx2 import sound
 from kit.families.ltx2.tiny import make_tiny
 from kit.families.samplers import Clip
@@ -59,8 +60,11 @@ class LTX2(Family):
     default_num_inference_steps = 30
     held_parts = ("connectors",)
     """Parts of the base this family holds beside `Components` (`part`), frozen."""
-    # ComfyUI's key rules for LTX-2 LoRA were not checked here: only the diffusers file.
-    export_formats = ("diffusers",)
+    # The kohya file is ComfyUI's: `lora_unet_<original path>`, which ComfyUI accepts for every
+    # weight of its LTXAVModel (`model_lora_keys_unet`), checked against the original layout
+    # (`layout.py`); diffusers reads only its own file.
+    export_formats = ("diffusers", "kohya")
+    modelspec_implementation = "https://github.com/Lightricks/LTX-2"
     base_model_version = "ltx2"
     modelspec_architecture = "ltx-2"
 
@@ -115,6 +119,15 @@ class LTX2(Family):
                 .eval()
             )
         return comps
+
+    def kohya_module(self, module):
+        return ltx2_layout.original_name(module)
+
+    def client_models(self, comps):
+        # ComfyUI holds LTX-2's transformer in its original layout.
+        t = getattr(comps.denoiser, "module", comps.denoiser)
+        original = ltx2_layout.to_original(t.state_dict())
+        return {"ComfyUI": (adapter_keys.prefixed("diffusion_model.", original), None)}
 
     def load_tokenizers(self, pretrained):
         return {"text_encoder": self._tokenizer(pretrained)}
