@@ -6,6 +6,7 @@ import functools
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -333,3 +334,90 @@ def test_original_layout_is_the_one_diffusers_reads_back(loaded):
     assert sorted(back) == sorted(f"transformer.{k}" for k in state)
     assert "diffusion_model.audio_patchify_proj.weight" in original
     assert "diffusion_model.transformer_blocks.0.audio_to_video_attn.to_out.0.weight" in original
+
+
+# ---------------------------------------------------------------- image-to-video
+
+
+def test_image_to_video_inputs_equal_the_pipelines(ltx2_base):
+    """The conditioning frame re-compressed, encoded and put in the first latent frame, and the
+    per-token timesteps (0 there), as LTX2ImageToVideoPipeline feeds its transformer."""
+    pytest.importorskip("av")  # the pipeline's H.264 re-compression of the image
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    cfg = Config().replace(max_sequence_length=32, num_frames=9, condition_frame=0)
+    family = get_family("ltx2", cfg)
+    assert family.pipeline_class == "LTX2ImageToVideoPipeline" and family.control_images == 1
+    comps = family.load(str(ltx2_base))
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    clip = np.stack([first, *rng.integers(0, 256, (8, 64, 64, 3), dtype=np.uint8)])
+    pixels = torch.from_numpy(clip).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+    cond = family.pixel_conditioning(comps, pixels)
+    assert cond["loss_mask"].shape == (1, 2, 2, 2) and cond["loss_mask"][:, 0].sum() == 0
+    pipe = LTX2ImageToVideoPipeline.from_pretrained(str(ltx2_base))
+    theirs = pipeline_step_inputs(
+        pipe,
+        image=Image.fromarray(first),
+        prompt=CAPTION,
+        height=64,
+        width=64,
+        num_frames=9,
+        frame_rate=24.0,
+        guidance_scale=1.0,
+        audio_guidance_scale=1.0,
+        modality_scale=1.0,
+        stg_scale=0.0,
+        max_sequence_length=32,
+        generator=torch.Generator().manual_seed(0),
+    )
+    from diffusers import LTX2Pipeline
+
+    noisy = LTX2Pipeline._unpack_latents(theirs["hidden_states"].clone(), 2, 2, 2)
+    noisy[:, :, 0] = 7.0  # whatever the draw put there, the image's latents replace it
+    text = family.encode_text(comps, [CAPTION])
+    sound = {"audio_latents": theirs["audio_hidden_states"], "frame_rate": torch.tensor([24.0])}
+    batch = {**text, **sound, "condition_latents": cond["condition_latents"][None]}
+    ours = family.transformer_inputs(comps.denoiser, noisy, theirs["audio_timestep"], batch)
+    for key, value in ours.items():
+        other = theirs[key]
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == other.dtype and torch.equal(value, other), key
+        else:
+            assert value == other, key
+    assert ours["timestep"].shape == (1, 8) and (ours["timestep"][0, :4] == 0).all()
+
+
+@pytest.mark.slow
+def test_image_to_video_trains_on_a_clip_with_sound_and_draws_from_an_image(tmp_path, ltx2_base):
+    pytest.importorskip("av")
+    from PIL import Image
+
+    from kit.config import load_config
+    from kit.data import sound
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_clip(data / "heard.mp4")
+    first = tmp_path / "first.png"
+    Image.new("RGB", (64, 64), (20, 200, 60)).save(first)
+    path = write_run_config(
+        tmp_path / "run.json",
+        base=ltx2_base,
+        data=data,
+        family="ltx2",
+        num_frames=9,
+        condition_frame=0,
+        max_sequence_length=32,
+        train_batch_size=1,
+        max_train_steps=2,
+        validation_prompt=[],
+        validation_prompts=[{"prompt": CAPTION, "control": [str(first)]}],
+    )
+    state = train(load_config(path))
+    assert state.step == 2
+    (mp4,) = sorted((tmp_path / "run/validation").rglob("*.mp4"))
+    assert sound.probe(mp4)[0]

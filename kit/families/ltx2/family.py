@@ -27,6 +27,7 @@ from kit.errors import KitError
 from kit.families import adapter_keys, register
 from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
 from kit.families.identity import base_identity, fingerprint, saved_scheduler
+from kit.families.ltx2 import i2v as ltx2_i2v
 from kit.families.ltx2 import layout as ltx2_layout
 from kit.families.ltx2 import sound
 from kit.families.ltx2.tiny import make_tiny
@@ -69,7 +70,15 @@ class LTX2(Family):
     modelspec_architecture = "ltx-2"
 
     def __init__(self, cfg: Config | None = None) -> None:
-        super().__init__(cfg)
+        # Image-to-video (kit.families.ltx2.i2v) when the run names its conditioning frame: the
+        # same base, drawn through LTX2ImageToVideoPipeline, each validation prompt from an image.
+        self.cfg = cfg if cfg is not None else Config()
+        self.i2v: int | None = self.cfg.data.condition_frame
+        if self.i2v is not None:
+            self.pipeline_class = ltx2_i2v.PIPELINE
+            self.control_images = 1  # a validation prompt's image, given as its `control`
+        super().__init__(self.cfg)
+        ltx2_i2v.check_run(self.i2v, self.cfg, self.frame_count(self.cfg.data.num_frames))
         self._parts: dict[str, Any] = {}
 
     @property
@@ -146,7 +155,16 @@ class LTX2(Family):
         for key, sub, extra in (("text", "connectors", None), ("vae", "audio_vae", sound.N_FFT)):
             part = base_identity(pretrained, source, (sub,), revision, None, "")["text"]
             ident[key] = fingerprint([ident[key], sub, part, extra])
+        if self.i2v is not None:
+            # Latent entries hold the conditioning image's latents too.
+            ident["vae"] = fingerprint([ident["vae"], "i2v", self.i2v, self._image_crf(source)])
         return ident
+
+    def _image_crf(self, source: str) -> int:
+        """The CRF the image-to-video pipeline re-compresses its image with for this base."""
+        from transformers import AutoConfig
+
+        return ltx2_i2v.image_crf(AutoConfig.from_pretrained(source, subfolder="text_encoder"))
 
     def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
         from transformers import AutoTokenizer
@@ -290,6 +308,12 @@ class LTX2(Family):
             draw.joint[AUDIO] = NoiseDraw(noisy, draw.timesteps, noise - audio)
         return draw
 
+    def pixel_conditioning(self, comps, pixels):
+        if self.i2v is None:
+            return {}
+        crf = self._image_crf(comps.source)
+        return ltx2_i2v.conditioning(comps.vae, pixels, self.i2v, crf)
+
     def transformer_inputs(
         self, denoiser: Any, noisy: torch.Tensor, timesteps: torch.Tensor, cond: dict
     ) -> dict[str, Any]:
@@ -308,12 +332,18 @@ class LTX2(Family):
         if rates is not None and not bool((rates == rates.reshape(-1)[0]).all()):
             raise KitError("ltx2: the clips of one batch must share a frame rate")
         fps = conditioning_frame_rate(rate, 1.0)
+        extra: dict[str, Any] = {}
+        video_timesteps = timesteps
+        if self.i2v is not None:
+            noisy, video_timesteps = ltx2_i2v.inputs(noisy, timesteps, cond, p, pt)
+            extra["audio_timestep"] = timesteps
         return {
+            **extra,
             "hidden_states": LTX2Pipeline._pack_latents(noisy, p, pt).to(embeds.dtype),
             "audio_hidden_states": audio.to(embeds.dtype),
             "encoder_hidden_states": embeds,
             "audio_encoder_hidden_states": cond["audio_prompt_embeds"],
-            "timestep": timesteps,
+            "timestep": video_timesteps,
             "sigma": timesteps,
             "encoder_attention_mask": cond["prompt_attention_mask"].long(),
             "audio_encoder_attention_mask": cond["prompt_attention_mask"].long(),
@@ -390,9 +420,17 @@ class LTX2(Family):
         }
         if spec.adapter_scale != 1.0:
             kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        if self.i2v is not None:
+            # The file, so the sidecar records it; `sample` opens it for the pipeline.
+            kwargs["image"] = spec.control[0] if spec.control else None
         return kwargs
 
     def sample(self, pipe, spec):
+        if self.i2v is not None and not spec.control:
+            raise KitError(
+                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
+                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
+            )
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
             out = pipe(**self.pipeline_call(spec), generator=generator)
