@@ -209,6 +209,23 @@ def test_bad_sound_and_short_clips_are_named(tmp_path, loaded):
     with pytest.warns(UserWarning, match=rf"{cut}: its sound cannot be decoded.*trains silent"):
         entry = sound.clip_sound(family, comps, s, tuple(range(8, 17)))
     assert float(entry["audio_latents_weight"]) == 0
+    # Clips at different frame rates in one bucket: their sound cannot share a batch.
+    from kit.data.cache import build_cache
+    from kit.errors import DataError
+
+    write_clip(data / "fast.mp4", frames=17, fps=30)
+    cfg = Config().replace(
+        model_family="ltx2",
+        image_dir=str(data),
+        num_frames=9,
+        resolution=64,
+        bucket_step=32,
+        train_batch_size=2,
+        cache_dir=str(tmp_path / "cache"),
+    )
+    with pytest.raises(DataError, match=r"cut.mp4 and .*fast.mp4 share a bucket but play at 24"):
+        build_cache(cfg, family, comps)
+    (data / "fast.mp4").unlink()
     # A clip shorter than one window (9 frames: 8k+1) is skipped, and named.
     write_clip(data / "short.mp4", frames=5)
     report = scan(DataConfig(image_dir=str(data), num_frames=9), family)

@@ -307,8 +307,8 @@ def plan_cache(
         [latent_dir / f"{_key(_digest(c), p.record(), *rule)}.safetensors" for c in controls_of(s)]
         for s, p in zip(samples, plan.placements, strict=True)
     ]
-    if any(control_files) and cfg.train.train_batch_size > 1 and hasattr(family, "control_size"):
-        check_batchable(samples, plan.placements, family, cfg.data)
+    if cfg.train.train_batch_size > 1:  # a bucket's samples must be able to share a batch
+        check_batchable(samples, plan.placements, family, cfg, any(control_files))
     return CachedDataset(
         samples,
         plan,

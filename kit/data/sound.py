@@ -113,3 +113,25 @@ def sound_counts(samples: list) -> dict[str, int]:
     clips = {s.image for s in samples if s.clip and s.blob is None}
     heard = sum(has_sound(c) for c in clips)
     return {"clips_with_sound": heard, "silent_clips": len(clips) - heard}
+
+
+def check_rates(samples: list, placements: list) -> None:
+    """Refuse clips of one bucket and frame count whose frames play at different rates: their
+    sound spans different times, so its latents differ in length and cannot share a batch."""
+    seen: dict[tuple, dict[float | None, Path]] = {}
+    for sample, placement in zip(samples, placements, strict=True):
+        frames = placement.frames
+        if not sample.clip or len(frames) < 2 or sample.blob is not None:
+            continue
+        fps = probe(sample.image)[1]
+        rate = round(fps / (frames[1] - frames[0]), 2) if fps else None
+        rates = seen.setdefault((placement.bucket, len(frames)), {})
+        rates.setdefault(rate, sample.image)
+        if len(rates) > 1:
+            (a, fa), (b, fb) = list(rates.items())[:2]
+            raise DataError(
+                f"{fa} and {fb} share a bucket but play at {a or 'an unknown rate of'} and "
+                f"{b or 'an unknown rate of'} frames a second: their sound would differ in "
+                "length within a batch; convert them to one frame rate, or train with "
+                "train_batch_size 1"
+            )
