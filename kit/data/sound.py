@@ -96,6 +96,8 @@ def _window_sound(family: Any, comps: Any, path: Path, sample: Any, frames: tupl
     stride = frames[1] - frames[0] if len(frames) > 1 else 1
     heard, fps = probe(path) if sample.clip else (False, None)
     waveform = None
+    if heard and not fps:
+        warnings.warn(f"{path}: its frame rate is unknown; it trains silent", stacklevel=2)
     if heard and fps:
         import torch
 

@@ -187,7 +187,7 @@ class LTX2(Family):
     def part(self, comps: Components, name: str) -> Any:
         """A part of the base that `Components` does not hold, frozen: the text `connectors`
         (loaded with the text encoder), the `audio_vae` or the `vocoder` (loaded from the base
-        on first use); on the device of the module it works beside."""
+        on first use); on the device, and in the floating dtype, of the module it works beside."""
         from diffusers import AutoencoderKLLTX2Audio
         from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
@@ -204,7 +204,9 @@ class LTX2(Family):
         beside = comps.text_encoders[0] if name == "connectors" and comps.text_encoders else None
         beside = beside or comps.vae or comps.denoiser
         if beside is not None:
-            module.to(next(beside.parameters()).device)
+            dtype = getattr(beside, "dtype", None)  # a quantized encoder's stays out of it
+            dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+            module.to(device=next(beside.parameters()).device, dtype=dtype)
         return module
 
     # ------------------------------------------------------------ encoding
