@@ -54,6 +54,7 @@ def cmd_families(args: argparse.Namespace) -> int:
                 "family": name,
                 "variants": list(cls.variants),
                 "video": cls.video,
+                "audio": cls.audio,
                 "native_resolution": cls.native_resolution,
                 "base_model": cls.hub_id,
                 "shipped_configs": {a.folder: a.title for a in shipped},
@@ -67,6 +68,7 @@ def cmd_families(args: argparse.Namespace) -> int:
         print(
             f"{r['family']}{kinds}: {r['base_model']}, {r['native_resolution']} px"
             + (", video" if r["video"] else "")
+            + (" with sound" if r["audio"] else "")
         )
         for folder, title in r["shipped_configs"].items():
             print(f"  shipped config {folder}: {title}")

@@ -62,7 +62,12 @@ def batch(loaded):
             f"control_latents_{r}": family.encode_images(comps, pixels.flip(-1))
             for r in range(family.control_images)
         }
-    return pixels, latents, {**text, **sizes, **controls}
+    # A family that trains on sound (`Family.audio`) gets each clip's, as the cache gives it.
+    sound = {}
+    if family.audio:
+        one = family.encode_sound(comps, None, frames[0], None)
+        sound = {k: torch.stack([v, v]) for k, v in one.items()}
+    return pixels, latents, {**text, **sizes, **controls, **sound}
 
 
 def _shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -145,8 +150,16 @@ def test_noise_draw_is_reproducible_and_shaped_like_the_prediction(loaded, batch
     assert not torch.equal(a.noisy, other.noisy)
     assert a.noisy.shape == latents.shape and a.timesteps.shape[0] == 2
 
+    # Latents predicted beside the main ones (`Family.joint_latents`) are noised with them.
+    joint = {k: cond[k] for k in family.joint_latents}
+    drawn = family.noise_and_target(comps, latents, torch.Generator().manual_seed(0), **joint)
+    assert drawn.joint.keys() == joint.keys() and torch.equal(drawn.timesteps, a.timesteps)
+    cond = {**cond, **{k: d.noisy for k, d in drawn.joint.items()}}
     with torch.no_grad():
-        pred = family.predict(comps, a.noisy, a.timesteps, cond)
+        pred = family.predict(comps, drawn.noisy, drawn.timesteps, cond)
+    if joint:
+        pred, beside = pred
+        assert all(beside[k].shape == d.target.shape for k, d in drawn.joint.items())
     assert pred.shape == a.target.shape
     assert torch.isfinite(pred).all()
 
@@ -169,8 +182,12 @@ def test_empty_text_encoders_have_the_loaded_shapes(loaded):
     family, base, comps = loaded
     parts = family.empty_parts(str(base))
     loaded_encoders = [_shapes(m) for m in comps.text_encoders]
-    for name in sorted(set(parts) - {"denoiser", "vae"}):
+    # Parts a family holds itself beside `Components` (LTX-2's text connectors).
+    held = getattr(family, "held_parts", ())
+    for name in sorted(set(parts) - {"denoiser", "vae"} - set(held)):
         assert _shapes(parts[name]) in loaded_encoders, name
+    for name in held:
+        assert _shapes(parts[name]) == _shapes(family.part(comps, name)), name
 
 
 # ------------------------------------------------------------------ cache keys

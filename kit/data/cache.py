@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kit.config import Config
-from kit.data import video
+from kit.data import sound, video
 from kit.data.augment import augmentation_enabled, caption_variants
 from kit.data.blob import Blob, use_remote
 from kit.data.buckets import BucketPlan, plan_dataset, with_mirrored
@@ -307,8 +307,14 @@ def plan_cache(
         [latent_dir / f"{_key(_digest(c), p.record(), *rule)}.safetensors" for c in controls_of(s)]
         for s, p in zip(samples, plan.placements, strict=True)
     ]
-    if any(control_files) and hasattr(family, "control_size"):
-        check_batchable(samples, plan.placements, family, cfg.data, cfg.train.train_batch_size > 1)
+    check_batchable(
+        samples,
+        plan.placements,
+        family,
+        cfg,
+        batched=cfg.train.train_batch_size > 1,  # a bucket's samples must be able to share a batch
+        controls=any(control_files),
+    )
     return CachedDataset(
         samples,
         plan,
@@ -447,9 +453,9 @@ def _encode_missing(
         entry = {"latents": lat}
         if mask is not None:
             entry["loss_mask"] = latent_mask(mask, lat.shape)
-        # What the pixels condition the denoiser with besides (image-to-video's frame): cached
-        # with the latents; a family's loss mask and the masked-loss one multiply.
-        for k, v in family.pixel_conditioning(comps, pixels).items():
+        # The pixels' conditioning (image-to-video's frame), the sound: cached; loss masks multiply.
+        heard = sound.clip_sound(family, comps, s, p.frames, raw)  # `Family.audio` families only
+        for k, v in {**family.pixel_conditioning(comps, pixels), **heard}.items():
             v = v.float().cpu().contiguous()
             entry[k] = v * entry[k] if k in entry else v
         data.store.put(f, entry)

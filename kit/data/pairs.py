@@ -17,12 +17,14 @@ from typing import Any
 
 from PIL import Image
 
-from kit.config import DataConfig
+from kit.config import Config, DataConfig
 from kit.data import video
 from kit.data.blob import Blob
 from kit.data.datasets import DatasetView, views
 from kit.data.images import DEFAULT_MAX_PIXELS, BadImage, open_rgb, probe
+from kit.data.sound import check_rates
 from kit.errors import ConfigError, DataError
+from kit.families import family_info
 
 
 def check_family(cfg: DataConfig, family: Any) -> None:
@@ -193,16 +195,28 @@ def _crop_box(size: tuple[int, int], placement: Any) -> tuple[int, int, int, int
 
 
 def check_batchable(
-    samples: list[Any], placements: list[Any], family: Any, cfg: DataConfig, batched: bool = True
+    samples: list[Any],
+    placements: list[Any],
+    family: Any,
+    cfg: Config,
+    batched: bool = True,
+    controls: bool = True,
 ) -> None:
     """Refuse, before anything is cached, a control the pipeline's rule cannot resize (see
-    `resized_control`) and, when pairs are `batched`, a bucket whose controls the rule resizes
-    to different sizes: they could not share a batch. Reads image headers only."""
+    `resized_control`) and, when samples are `batched`, a bucket whose controls the rule resizes
+    to different sizes, or (a family that trains on sound) whose clips' frame rates differ, so
+    that their sound has different lengths: they could not share a batch. Reads headers only.
+
+    `family` None: the configured one's facts (which resize no controls)."""
+    if batched and (family or family_info(cfg.model.model_family)).audio:
+        check_rates(samples, placements)
+    if not controls or not hasattr(family, "control_size"):
+        return
     sizes: dict[tuple[Any, int], dict[tuple[int, int], Path]] = {}
     for sample, placement in zip(samples, placements, strict=True):
         for r, control in enumerate(controls_of(sample)):
             seen = sizes.setdefault((placement.bucket, r), {})
-            size = resized_control(control, placement, family, cfg)
+            size = resized_control(control, placement, family, cfg.data)
             seen.setdefault(size, sample.controls[r])
             if len(seen) > 1 and batched:
                 (a, fa), (b, fb) = list(seen.items())[:2]

@@ -13,6 +13,7 @@ from kit.data.datasets import views
 from kit.data.masks import masked, plan_masks
 from kit.data.pairs import controls_of, resized_control, unpaired
 from kit.data.scan import check_dataset
+from kit.data.sound import sound_counts
 from kit.families import family_class, family_info
 
 
@@ -72,6 +73,8 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
         "images": len(samples),
         **(_windows(samples) if video else {}),
         **({"clip_frames": clip_rows(cfg, plan), **conditioning(cfg)} if video else {}),
+        # A family that trains on sound (`audio`): which clips have any.
+        **(sound_counts(samples) if video and family.audio else {}),
         "samples_per_epoch": sum(b["per_epoch"] for b in buckets),
         "datasets": _datasets(cfg, samples, plan),
         "buckets": buckets,
@@ -290,6 +293,11 @@ def report_lines(report: dict[str, Any]) -> list[str]:
                 f"{c['frame_stride']:>6}  {c['windows']:>7}  {', '.join(spans[:4])}{more}"
             )
         lines.append(f"conditioning frame (image-to-video): {report['conditioning_frame']}")
+    if "clips_with_sound" in report:
+        lines.append(
+            f"{report['clips_with_sound']} clip(s) with sound, {report['silent_clips']} silent "
+            "(silent clips train video only)"
+        )
     for d in report["dropped"]:
         lines.append(f"dropped {d['file']}: {d['reason']}")
     lines.append(

@@ -99,6 +99,13 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
     empty for one encoder, whose file holds a single tensor under the token's name."""
     video: bool = False
     """True when samples are clips (channels, frames, height, width) rather than images."""
+    audio: bool = False
+    """True when a clip's sound trains too (`encode_sound`; its latents are `joint_latents`)."""
+    joint_latents: tuple[str, ...] = ()
+    """Batch keys of latents the denoiser predicts beside `latents` in the same forward, noised
+    at the same timesteps (LTX-2's `audio_latents`): `noise_and_target` takes each as a keyword
+    and returns its draw in `NoiseDraw.joint`; `predict` reads each noisy one from `cond` and
+    returns `(prediction, {key: prediction})`. A `<key>_weight` (B,) weights its loss."""
     default_guidance_scale: float = 7.5
     """Validation guidance when the config sets none: what the family's diffusers pipeline
     draws with by default (for guidance-distilled models, the distilled guidance input)."""

@@ -18,6 +18,7 @@ class FamilyFacts(Protocol):
     native_resolution: int
     hub_id: str
     video: bool
+    audio: bool
     control_images: int
     needs_control: bool
 
@@ -45,6 +46,9 @@ class FamilyInfo:
     `control_images`): 0 for a family that takes none."""
     needs_control: bool = False
     """Whether every dataset must have its controls (an edit model; the class's `needs_control`)."""
+    audio: bool = False
+    """True when the family trains on a clip's sound too (LTX-2): the data path reads each video
+    file's audio track for the frames it takes and hands it to the family's `encode_sound`."""
     frame_stride: int = 1
     """A clip's frame count is `frame_stride · k + 1`: a VAE that compresses time by 4 (Wan)
     takes 4k+1 frames; 1 accepts any count."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,9 @@ class NoiseDraw:
     part: str = ""
     """The exported file (`Family.denoiser_files`) whose model this draw trains, where the
     denoiser is several and a draw trains one (a Wan 2.2 expert); "" trains them all."""
+    joint: dict[str, NoiseDraw] = field(default_factory=dict)
+    """The draws of the family's `joint_latents` (LTX-2's sound), at these same timesteps; each
+    one's `weight` is its own per-sample loss weight (0 for a silent clip's sound)."""
 
 
 def flow_sampling(sampling: str, loss_weighting: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -183,6 +184,17 @@ def _shift_used(class_name: str, config: dict[str, Any], mu: float | None) -> fl
     return base_shift(class_name, config)
 
 
+class Clip(list):
+    """A drawn clip's frames (a list, as every family's `sample` returns) with the sound drawn
+    with them: `sound` (channels, samples) floats in [-1, 1] at `sample_rate`; what a family
+    whose pipeline makes sound (LTX-2) returns, and what the MP4 writer plays."""
+
+    def __init__(self, frames: list[Image.Image], sound: Any, sample_rate: int) -> None:
+        super().__init__(frames)
+        self.sound = sound
+        self.sample_rate = sample_rate
+
+
 def draw(family: Any, pipe: Any, spec: ImageSpec) -> tuple[list[Image.Image], dict[str, Any]]:
     """Draw `spec` with its sampler: the frames, and what the sidecar records of the sampling
     (`sampler`, the `scheduler`'s class and config as it was built, and the σ `shift` used).
@@ -209,14 +221,16 @@ def draw_batch(
     # The pipeline computes a dynamic shift (`mu`) from the image size when it sets the
     # timesteps; it is read here as the scheduler receives it.
     seen: dict[str, Any] = {}
-    original = scheduler.set_timesteps
+    original = type(scheduler).set_timesteps
 
-    @functools.wraps(original)
-    def recording(*args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(original)  # pipelines read its signature
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
         seen.update(kwargs)
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    scheduler.set_timesteps = recording
+    # A method bound to the scheduler, so that a pipeline's copy of it (LTX-2 deep-copies its
+    # scheduler for the sound) sets its own timesteps, not this one's.
+    scheduler.set_timesteps = types.MethodType(recording, scheduler)
     pipe.scheduler = scheduler
     try:
         drawn = family.sample_batch(pipe, specs)
@@ -230,6 +244,7 @@ def draw_batch(
 
 
 __all__ = [
+    "Clip",
     "DEFAULT",
     "DDPM_SAMPLERS",
     "FLOW_SAMPLERS",

@@ -15,6 +15,7 @@ record of each image), and lives above the step folders, where nothing takes it 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,12 @@ def ffmpeg() -> Any:
     return imageio_ffmpeg
 
 
-def write_mp4(frames: list[Image.Image], path: Path, fps: int = FPS) -> Path | None:
+def write_mp4(frames: list[Image.Image], path: Path, fps: float = FPS) -> Path | None:
     """An H.264 MP4 (yuv420p, what every player reads), atomic; None without imageio-ffmpeg.
 
     H.264 in yuv420p needs even sides: an odd width or height is padded by one pixel (edge
-    copied), never resized, so the frames stay the ones drawn."""
+    copied), never resized, so the frames stay the ones drawn. Frames drawn with their sound
+    (a `Clip` with `sound` and `sample_rate`: LTX-2) get it as an AAC audio track."""
     ff = ffmpeg()
     if ff is None:
         return None
@@ -71,28 +73,50 @@ def write_mp4(frames: list[Image.Image], path: Path, fps: int = FPS) -> Path | N
 
     w, h = frames[0].size
     pad_w, pad_h = w % 2, h % 2
+    heard = getattr(frames, "sound", None)
 
     def write(tmp: Path) -> None:
-        gen = ff.write_frames(
-            str(tmp),
-            (w, h),
-            fps=fps,
-            codec="libx264",
-            pix_fmt_out="yuv420p",
-            macro_block_size=1,
-            ffmpeg_log_level="error",
-            # The temporary name ends in .tmp: the container is named, not guessed from it.
-            output_params=["-vf", f"pad={w + pad_w}:{h + pad_h}", "-movflags", "+faststart"]
-            + ["-f", "mp4"],
-        )
-        gen.send(None)
-        try:
-            for f in frames:
-                gen.send(np.ascontiguousarray(np.asarray(f.convert("RGB"))))
-        finally:
-            gen.close()
+        with tempfile.TemporaryDirectory() as folder:
+            wav = None
+            if heard is not None:
+                wav = write_wav(np.asarray(heard), frames.sample_rate, Path(folder) / "sound.wav")
+            gen = ff.write_frames(
+                str(tmp),
+                (w, h),
+                fps=fps,
+                codec="libx264",
+                pix_fmt_out="yuv420p",
+                macro_block_size=1,
+                ffmpeg_log_level="error",
+                # The temporary name ends in .tmp: the container is named, not guessed from it.
+                output_params=["-vf", f"pad={w + pad_w}:{h + pad_h}", "-movflags", "+faststart"]
+                + ["-f", "mp4"],
+                audio_path=None if wav is None else str(wav),
+                audio_codec=None if wav is None else "aac",
+            )
+            gen.send(None)
+            try:
+                for f in frames:
+                    gen.send(np.ascontiguousarray(np.asarray(f.convert("RGB"))))
+            finally:
+                gen.close()
 
     write_with(path, write)
+    return path
+
+
+def write_wav(sound: Any, rate: int, path: Path) -> Path:
+    """`sound` (channels, samples) floats in [-1, 1] as a 16-bit PCM WAV file."""
+    import wave
+
+    import numpy as np
+
+    pcm = (np.clip(np.atleast_2d(sound), -1.0, 1.0) * 32767).round().astype("<i2")
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(pcm.shape[0])
+        out.setsampwidth(2)
+        out.setframerate(int(rate))
+        out.writeframes(np.ascontiguousarray(pcm.T).tobytes())
     return path
 
 

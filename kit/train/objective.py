@@ -41,14 +41,31 @@ def denoising_loss(
     mask = batch.pop("loss_mask", None)
     sample_weight = batch.pop("loss_weight", None)
     extras = {k: batch.pop(k) for k in list(batch) if k.startswith(("preserve.", "base_target"))}
-    draw = family.noise_and_target(comps, latents, generator)
+    joint = {k: batch.pop(k) for k in getattr(family, "joint_latents", ())}  # stubs have none
+    joint_weight = {k: batch.pop(f"{k}_weight", None) for k in joint}
+    draw = family.noise_and_target(comps, latents, generator, **joint)
+    batch.update({k: d.noisy for k, d in draw.joint.items()})  # what `predict` reads
     if drawn is not None and draw.part:
         drawn[draw.part] = drawn.get(draw.part, 0) + 1
     extra = None
     if reg is None:
         pred, target = family.predict(comps, draw.noisy, draw.timesteps, batch), draw.target
+    elif joint:
+        raise ConfigError(
+            f"{family.name} predicts {', '.join(joint)} beside the latents: output preservation "
+            "and base-prediction targets are not written for it yet; turn them off"
+        )
     else:
         pred, target, extra = reg(family, comps, draw, batch, extras, generator)
+    beside = []
+    if joint:
+        # The other streams' losses join each sample's (LTX-2: video + sound, as Lightricks'
+        # trainer adds them), each weighted by its own per-sample weight (a silent clip: 0).
+        pred, joint_pred = pred
+        for k, d in draw.joint.items():
+            loss = elementwise_loss(joint_pred[k], d.target, o.loss_type, o.huber_c)
+            w = joint_weight[k]
+            beside.append(loss.flatten(1).mean(1) * (1 if w is None else w.to(loss)))
     elements = elementwise_loss(pred, target, o.loss_type, o.huber_c)
     if mask is None:
         per_sample = elements.flatten(1).mean(1)
@@ -56,6 +73,8 @@ def denoising_loss(
         weights = mask.float().expand_as(elements).flatten(1)
         total = (elements.flatten(1) * weights).sum(1)
         per_sample = total / weights.sum(1).clamp_min(1e-6)
+    for loss in beside:
+        per_sample = per_sample + loss
     if draw.weight is not None:
         per_sample = per_sample * draw.weight.to(per_sample)
     if sample_weight is not None:
