@@ -19,7 +19,7 @@ from kit.export.writer import export
 from kit.families import family_names, get_family
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
-from tests.conftest import EXAMPLE, write_run_config
+from tests.conftest import write_run_config
 
 FAMILIES = family_names()
 
@@ -56,25 +56,16 @@ REPRODUCE = textwrap.dedent(
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_run(request, tmp_path_factory, tiny_base):
-    """Per family: a tiny base, a dataset of its kind, and a config for a short run."""
+def family_run(request, tmp_path_factory, tiny_base, family_dataset):
+    """Per family: a tiny base, the session's few samples of its kind (four images or clips:
+    two batches, so the four steps see every sample twice), and a config for a short run."""
     name = request.param
-    family = get_family(name)
     tmp = tmp_path_factory.mktemp(name)
     base = tiny_base(name)
-    data = tmp / "data"
-    if family.video:
-        from kit.toy.world import write_example_clips
-
-        write_example_clips(data, n=4, frames=9, seed=0)
-    else:
-        import shutil
-
-        shutil.copytree(EXAMPLE / "images", data)
     fields = {
         "family": name,
         "base": base,
-        "data": data,
+        "data": family_dataset(name),
         "cache_dir": str(tmp / "cache"),
         "trigger_words": ["zorbstar"],
         "num_frames": 5,
@@ -109,6 +100,7 @@ def test_tiny_model_loads_with_its_pipeline_class(family_run):
     assert len(tokenizers) == len(comps.text_encoders)
 
 
+@pytest.mark.slow
 def test_trains_resumes_exports_and_reproduces(family_run):
     name, tmp, fields = family_run
     straight = train(_config(tmp, fields, "straight"))
