@@ -20,7 +20,9 @@ from kit.run import checkpoint as ckpt
 from kit.run import threads
 from kit.train import train
 
-CPUS = min(threads.available_cpus(), threads.TORCH_DEFAULT)
+# The CPUs this process may use; torch's own count may be fewer (a pytest-xdist worker takes
+# its share of them), so a test that chooses among them sets `TORCH_DEFAULT` to these.
+CPUS = threads.available_cpus()
 
 
 @pytest.fixture
@@ -203,10 +205,12 @@ def test_a_resume_keeps_the_count_it_was_saved_with(
     if CPUS < 2:
         pytest.skip("needs two CPUs to choose between")
     monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(threads, "TORCH_DEFAULT", CPUS)
     busy = {"n": CPUS - 1}
     monkeypatch.setattr(threads, "runnable_others", lambda proc=None: busy["n"])
     monkeypatch.setattr(threads, "host_cpus", lambda: CPUS)
 
+    torch.set_num_threads(CPUS)  # torch's own count on an idle machine
     assert train(load_config(make_config("a.json", output_dir=str(tmp_path / "a")))).step == 4
     assert "CPU threads: 1 (" in capsys.readouterr().out
     assert torch.get_num_threads() == 1
