@@ -48,6 +48,9 @@ class FlowFamily(Family):
     """Text tokens per caption when the config sets none: the pipeline's own default."""
     scale_kwarg: str = "joint_attention_kwargs"
     """The pipeline call's keyword that takes the adapter scale (`{"scale": s}`)."""
+    mu_defaults: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)
+    """What the pipeline's `calculate_shift` takes where the scheduler config names none:
+    base_image_seq_len, max_image_seq_len, base_shift, max_shift."""
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
@@ -114,16 +117,13 @@ class FlowFamily(Family):
     def dynamic_mu(self, scheduler_config: Any, tokens: int) -> float:
         """The `mu` a dynamically shifting pipeline sets for `tokens` image tokens: diffusers'
         `calculate_shift`, the line through (base_image_seq_len, base_shift) and
-        (max_image_seq_len, max_shift) that Flux, Chroma, Qwen-Image and Z-Image share."""
+        (max_image_seq_len, max_shift) that every flow pipeline copies, with its own fallbacks
+        (`mu_defaults`)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        return calculate_shift(
-            tokens,
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 4096),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
+        names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+        fallbacks = zip(names, self.mu_defaults, strict=True)
+        return calculate_shift(tokens, *(scheduler_config.get(k, v) for k, v in fallbacks))
 
     def flow_options(self) -> dict[str, Any]:
         """The run's objective settings as `flow_noise_and_target` (and `flow_sigmas`) take them."""
@@ -238,7 +238,10 @@ class FlowFamily(Family):
     def packed_meta_latents(self, parts: dict, batch: int, height: int, width: int) -> torch.Tensor:
         """Meta-device latents of an image this size, for `denoiser_inputs` of a family whose
         transformer takes 2×2-packed latents: (B, in_channels / 4, h, w), sides even."""
-        f = 2 ** (len(parts["vae"].config.block_out_channels) - 1) * 2  # the VAE's factor, × 2
+        config = parts["vae"].config
+        # The VAE's factor (Wan's and Qwen-Image's halve once per temporal flag), × 2.
+        steps = config.get("temperal_downsample") or config.block_out_channels[1:]
+        f = 2 ** len(steps) * 2
         channels = parts["denoiser"].config.in_channels // 4
         return torch.zeros(batch, channels, height // f * 2, width // f * 2, device="meta")
 

@@ -8,7 +8,6 @@ layers are tapped, the Qwen-Image VAE's 8x layout, and the release's scheduler c
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -67,25 +66,15 @@ def qwen3_vl(tokenizer: Any) -> Any:
     return Qwen3VLModel(config)
 
 
-def make(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny Krea 2 Raw into `out_dir` (diffusers layout, safetensors)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        Krea2Pipeline,
-        Krea2Transformer2DModel,
-    )
+def parts(seed: int = 0) -> tuple[Any, ...]:
+    """The tiny Krea 2 Raw's parts, in the order of the family's table (transformer, VAE, text
+    encoder, tokenizer, scheduler); its pipeline taps `TAPS`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_qwen2_tokenizer()
     text_encoder = qwen3_vl(tokenizer)
-    vae = AutoencoderKLQwenImage(
-        base_dim=3,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
+    vae = tiny.wan_vae("AutoencoderKLQwenImage")  # Qwen-Image's tiny VAE, 8x as the release
     transformer = Krea2Transformer2DModel(
         in_channels=64,  # 16 latent channels × a 2×2 patch
         num_layers=2,
@@ -111,13 +100,4 @@ def make(out_dir: str | Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         FlowMatchEulerDiscreteScheduler.load_config(config_source(HUB_ID), subfolder="scheduler")
     )
-    pipe = Krea2Pipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        text_encoder_select_layers=TAPS,
-        is_distilled=False,
-    )
-    return tiny.save_pipeline(pipe, out_dir)
+    return transformer, vae, text_encoder, tokenizer, scheduler
