@@ -209,7 +209,8 @@ class FlowFamily(Family):
     def pipeline_part(self, comps: Components, part: Part, i: int, text_only: bool) -> Any:
         """What the pipeline gets for `part`, the `i`-th of its role: the loaded module (None
         when not loaded, or with `text_only` for all but the text parts), the tokenizer, a
-        fresh copy of the training scheduler (sampling changes its state), the processor."""
+        fresh copy of the training scheduler (sampling changes its state), the processor, a
+        held part."""
         role = part.role
         if role in ("text_encoder", "tokenizer"):
             loaded = comps.text_encoders if role == "text_encoder" else comps.tokenizers
@@ -218,6 +219,8 @@ class FlowFamily(Family):
             return self.processor(comps)
         if text_only:
             return None
+        if role == "held":
+            return self.held(comps, part.name)
         if role == "scheduler":
             return type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
         return comps.denoiser if role == "denoiser" else comps.vae
@@ -248,3 +251,7 @@ class FlowFamily(Family):
     def processor(self, comps: Components) -> Any:
         """The processor part of the base `comps` came from (families with one say how)."""
         raise NotImplementedError(f"{self.name} has no processor")
+
+    def held(self, comps: Components, name: str) -> Any:
+        """The held part `name` of the base `comps` came from (families with one say how)."""
+        raise NotImplementedError(f"{self.name} holds no part {name}")
