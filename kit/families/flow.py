@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kit.config import Config
-from kit.errors import ConfigError
+from kit.errors import ConfigError, KitError
 from kit.families.base import Components, Family, NoiseDraw, posterior_latent
 from kit.families.noise import flow_noise_and_target, flow_sampling
 from kit.families.parts import Part
@@ -237,6 +237,14 @@ class FlowFamily(Family):
         if spec.adapter_scale != 1.0:
             kwargs[self.scale_kwarg] = {"scale": spec.adapter_scale}
         return kwargs
+
+    def require_image(self, spec: ImageSpec) -> None:
+        """Refuse an image-to-video validation prompt without its image (its one control)."""
+        if not spec.control:
+            raise KitError(
+                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
+                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
+            )
 
     def packed_meta_latents(self, parts: dict, batch: int, height: int, width: int) -> torch.Tensor:
         """Meta-device latents of an image this size, for `denoiser_inputs` of a family whose

@@ -384,11 +384,8 @@ class LTX2(FlowFamily):
         return kwargs
 
     def sample(self, pipe, spec):
-        if self.i2v is not None and not spec.control:
-            raise KitError(
-                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
-                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
-            )
+        if self.i2v is not None:
+            self.require_image(spec)
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
             out = pipe(**self.pipeline_call(spec), generator=generator)
