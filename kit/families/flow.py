@@ -1,7 +1,7 @@
 """The flow-matching DiT families' shared base: image encoding, the σ-shifted draw, the pipeline.
 
-SD3, Flux and Kontext, FLUX.2, Chroma, Z-Image, Qwen-Image and its edit model, and Wan train
-the same way: latents normalised as the pipeline's decode inverts them, σ drawn from the
+SD3, Flux and Kontext, FLUX.2, Chroma, Z-Image, Qwen-Image and its edit model, Krea 2, Wan and
+LTX-2 train the same way: latents normalised as the pipeline's decode inverts them, σ drawn from the
 configured distribution and shifted as the scheduler shifts it, the velocity noise − x0 as the
 target, and a pipeline built from the parts table. A family overrides only what differs.
 """
