@@ -1,7 +1,7 @@
 """The flow-matching DiT families' shared base: image encoding, the σ-shifted draw, the pipeline.
 
-SD3, Flux and Kontext, FLUX.2, Chroma, Z-Image, Qwen-Image and its edit model, and Wan train
-the same way: latents normalised as the pipeline's decode inverts them, σ drawn from the
+SD3, Flux and Kontext, FLUX.2, Chroma, Z-Image, Qwen-Image and its edit model, Krea 2, Wan and
+LTX-2 train the same way: latents normalised as the pipeline's decode inverts them, σ drawn from the
 configured distribution and shifted as the scheduler shifts it, the velocity noise − x0 as the
 target, and a pipeline built from the parts table. A family overrides only what differs.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kit.config import Config
-from kit.errors import ConfigError
+from kit.errors import ConfigError, KitError
 from kit.families.base import Components, Family, NoiseDraw, posterior_latent
 from kit.families.noise import flow_noise_and_target, flow_sampling
 from kit.families.parts import Part
@@ -48,6 +48,9 @@ class FlowFamily(Family):
     """Text tokens per caption when the config sets none: the pipeline's own default."""
     scale_kwarg: str = "joint_attention_kwargs"
     """The pipeline call's keyword that takes the adapter scale (`{"scale": s}`)."""
+    mu_defaults: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)
+    """What the pipeline's `calculate_shift` takes where the scheduler config names none:
+    base_image_seq_len, max_image_seq_len, base_shift, max_shift."""
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
@@ -114,16 +117,13 @@ class FlowFamily(Family):
     def dynamic_mu(self, scheduler_config: Any, tokens: int) -> float:
         """The `mu` a dynamically shifting pipeline sets for `tokens` image tokens: diffusers'
         `calculate_shift`, the line through (base_image_seq_len, base_shift) and
-        (max_image_seq_len, max_shift) that Flux, Chroma, Qwen-Image and Z-Image share."""
+        (max_image_seq_len, max_shift) that every flow pipeline copies, with its own fallbacks
+        (`mu_defaults`)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
-        return calculate_shift(
-            tokens,
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 4096),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
+        names = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
+        fallbacks = zip(names, self.mu_defaults, strict=True)
+        return calculate_shift(tokens, *(scheduler_config.get(k, v) for k, v in fallbacks))
 
     def flow_options(self) -> dict[str, Any]:
         """The run's objective settings as `flow_noise_and_target` (and `flow_sigmas`) take them."""
@@ -209,7 +209,8 @@ class FlowFamily(Family):
     def pipeline_part(self, comps: Components, part: Part, i: int, text_only: bool) -> Any:
         """What the pipeline gets for `part`, the `i`-th of its role: the loaded module (None
         when not loaded, or with `text_only` for all but the text parts), the tokenizer, a
-        fresh copy of the training scheduler (sampling changes its state), the processor."""
+        fresh copy of the training scheduler (sampling changes its state), the processor, a
+        held part."""
         role = part.role
         if role in ("text_encoder", "tokenizer"):
             loaded = comps.text_encoders if role == "text_encoder" else comps.tokenizers
@@ -218,6 +219,8 @@ class FlowFamily(Family):
             return self.processor(comps)
         if text_only:
             return None
+        if role == "held":
+            return self.held(comps, part.name)
         if role == "scheduler":
             return type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
         return comps.denoiser if role == "denoiser" else comps.vae
@@ -235,13 +238,28 @@ class FlowFamily(Family):
             kwargs[self.scale_kwarg] = {"scale": spec.adapter_scale}
         return kwargs
 
+    def require_image(self, spec: ImageSpec) -> None:
+        """Refuse an image-to-video validation prompt without its image (its one control)."""
+        if not spec.control:
+            raise KitError(
+                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
+                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
+            )
+
     def packed_meta_latents(self, parts: dict, batch: int, height: int, width: int) -> torch.Tensor:
         """Meta-device latents of an image this size, for `denoiser_inputs` of a family whose
         transformer takes 2×2-packed latents: (B, in_channels / 4, h, w), sides even."""
-        f = 2 ** (len(parts["vae"].config.block_out_channels) - 1) * 2  # the VAE's factor, × 2
+        config = parts["vae"].config
+        # The VAE's factor (Wan's and Qwen-Image's halve once per temporal flag), × 2.
+        steps = config.get("temperal_downsample") or config.block_out_channels[1:]
+        f = 2 ** len(steps) * 2
         channels = parts["denoiser"].config.in_channels // 4
         return torch.zeros(batch, channels, height // f * 2, width // f * 2, device="meta")
 
     def processor(self, comps: Components) -> Any:
         """The processor part of the base `comps` came from (families with one say how)."""
         raise NotImplementedError(f"{self.name} has no processor")
+
+    def held(self, comps: Components, name: str) -> Any:
+        """The held part `name` of the base `comps` came from (families with one say how)."""
+        raise NotImplementedError(f"{self.name} holds no part {name}")

@@ -18,8 +18,10 @@ from torch import nn
 
 from kit.families.identity import DtypeSpec, PartSource
 
-ROLES = ("denoiser", "vae", "text_encoder", "tokenizer", "processor", "scheduler")
-"""What a part does: the i-th tokenizer belongs to the i-th text encoder."""
+ROLES = ("denoiser", "vae", "text_encoder", "tokenizer", "processor", "scheduler", "held")
+"""What a part does: the i-th tokenizer belongs to the i-th text encoder; a `held` part is a
+frozen module the pipeline takes that `Components` has no place for (LTX-2's text connectors,
+audio VAE and vocoder): the family loads and keeps it (`FlowFamily.held`)."""
 
 
 @dataclass(frozen=True)

@@ -18,22 +18,19 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kit.errors import ConfigError
 from kit.families import adapter_keys, register
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.base import Components, NoiseDraw
+from kit.families.flow import FlowFamily
 from kit.families.krea2 import layout as krea2_layout
 from kit.families.krea2 import tiny as krea2_tiny
+from kit.families.parts import denoiser, scheduler, text, vae
 from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
-if TYPE_CHECKING:
-    from kit.config import Config
-
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # Krea2Pipeline's `max_sequence_length`
 SUFFIX_TOKENS = 5
 """The assistant suffix the pipeline appends after each caption's padding
 (`prompt_template_encode_num_suffix_tokens`): a caption keeps L − 5 tokens."""
@@ -113,10 +110,15 @@ def transformer_inputs(
 
 
 @register
-class Krea2(Family):
+class Krea2(FlowFamily):
     """Krea 2 Raw or Turbo; which one is read from the base's `model_index.json`."""
 
     name = "krea2"
+    scale_kwarg = "attention_kwargs"
+    bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
+    # Krea2Pipeline's own `calculate_shift` fallbacks: up to 6400 image tokens.
+    mu_defaults = (256, 6400, 0.5, 1.15)
+    default_max_sequence_length = 512  # Krea2Pipeline's, the assistant suffix included
     # The pipeline hands its scheduler custom sigmas and a mu, which these schedulers take.
     samplers = (DEFAULT, "flow_euler", "flow_unipc")
     size_multiple = 16  # the VAE's 8 × the 2×2 patches (the pipeline rounds other sizes up)
@@ -148,19 +150,6 @@ class Krea2(Family):
     modelspec_architecture = "krea-2-raw"
     modelspec_implementation = "https://github.com/krea-ai/krea-2"
     export_formats = ("diffusers", "kohya")
-
-    def __init__(self, cfg: Config | None = None) -> None:
-        super().__init__(cfg)
-        step = self.cfg.data.bucket_step
-        if step % 16:
-            # Packing needs an even latent side: 2 × the VAE's 8x.
-            raise ConfigError(
-                f"bucket_step: {step} must be a multiple of 16 for krea2 (64 is usual)"
-            )
-
-    def max_sequence_length(self) -> int:
-        """Text tokens per caption (the suffix included): configured, else the pipeline's 512."""
-        return self.cfg.model.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
     # ------------------------------------------------------------ variants
 
@@ -205,7 +194,14 @@ class Krea2(Family):
 
     # ------------------------------------------------------------ loading
 
-    text_subfolders = ("text_encoder",)
+    parts = (
+        denoiser("Krea2Transformer2DModel"),
+        vae("AutoencoderKLQwenImage"),
+        *text("Qwen3VLModel", "AutoTokenizer"),
+        scheduler(),
+    )
+    vae_frames = True  # the Qwen-Image VAE (Wan's 3D causal one), used on single frames
+
     quantized_text_encoders = ("text_encoder",)  # Qwen3-VL-4B, only ever read frozen
     # Krea's transformer file (ComfyUI's diffusion_models), in the original layout; the key
     # diffusers' single-file loader tells Krea 2 by.
@@ -215,40 +211,6 @@ class Krea2(Family):
         # The cached embeddings are padded to this length and tapped at these layers.
         layers = self._pipeline_args(pretrained).get("text_encoder_select_layers")
         return [self.max_sequence_length(), layers]
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        from diffusers import (
-            AutoencoderKLQwenImage,
-            FlowMatchEulerDiscreteScheduler,
-            Krea2Transformer2DModel,
-        )
-        from transformers import Qwen3VLModel
-
-        return self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(Krea2Transformer2DModel, "transformer"),
-            vae=(AutoencoderKLQwenImage, "vae"),
-            encoders=[(Qwen3VLModel, "text_encoder")],
-            tokenizers=[self._tokenizer(pretrained, revision)],
-            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(
-                self.model_source(pretrained), subfolder="scheduler", revision=revision
-            ),
-        )
-
-    def load_tokenizers(self, pretrained):
-        return {"text_encoder": self._tokenizer(pretrained)}
-
-    def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
-        from transformers import AutoTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        return AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
 
     def token_limit(self, encoder, tokenizer):
         # The pipeline cuts the caption (after its system prefix) so that caption + suffix fill
@@ -275,34 +237,11 @@ class Krea2(Family):
             "prompt_embeds_mask": text["prompt_embeds_mask"].bool(),
         }
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
-        vae = comps.vae
-        dist = vae.encode(pixels.unsqueeze(2).to(vae.device, vae.dtype)).latent_dist
-        latents = posterior_latent(dist, generator)
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(latents)
-        # The inverse of the pipeline's decode (latents · std + mean), the one frame dropped.
-        return ((latents - mean) / std).squeeze(2)
-
     # ------------------------------------------------------------ training
-
-    def dynamic_mu(self, scheduler_config, tokens):
-        # Krea2Pipeline's own fallbacks where the scheduler config names none (6400 tokens).
-        from diffusers.pipelines.krea2.pipeline_krea2 import calculate_shift
-
-        return calculate_shift(
-            tokens,
-            scheduler_config.get("base_image_seq_len", 256),
-            scheduler_config.get("max_image_seq_len", 6400),
-            scheduler_config.get("base_shift", 0.5),
-            scheduler_config.get("max_shift", 1.15),
-        )
 
     def sigma_shift(self, comps: Components, height: int, width: int) -> float:
         """The σ shift the pipeline samples this size at: Raw's resolution-dependent one
-        (`Family.flow_shift`), Turbo's fixed mu 1.15 where the scheduler shifts by mu."""
+        (`FlowFamily.flow_shift`), Turbo's fixed mu 1.15 where the scheduler shifts by mu."""
         config = comps.noise_scheduler.config
         turbo = self._pipeline_args(comps.source).get("is_distilled", False)
         if self.cfg.objective.flow_shift > 0 or not turbo:
@@ -312,6 +251,7 @@ class Krea2(Family):
         return TURBO_MU if config.get("time_shift_type") == "linear" else math.exp(TURBO_MU)
 
     def noise_and_target(self, comps, latents, generator) -> NoiseDraw:
+        # Turbo's fixed shift depends on the base `comps` came from (`sigma_shift`).
         shift = self.sigma_shift(comps, latents.shape[-2], latents.shape[-1])
         return self.flow_draw(comps, latents, generator, shift)
 
@@ -339,57 +279,27 @@ class Krea2(Family):
 
     # ------------------------------------------------------------ sampling
 
-    def pipeline(self, comps):
-        from diffusers import Krea2Pipeline
-
-        # A fresh scheduler: sampling changes its state.
-        scheduler = type(comps.noise_scheduler).from_config(comps.noise_scheduler.config)
-        return Krea2Pipeline(
-            scheduler=scheduler,
-            vae=comps.vae,
-            text_encoder=comps.text_encoders[0] if comps.text_encoders else None,
-            tokenizer=comps.tokenizers[0],
-            transformer=comps.denoiser,
-            **self._pipeline_args(comps.source),
-        )
+    def build_pipeline(self, comps, cls=None, text_only=False, **extra):
+        # Krea2Pipeline's own settings (tapped layers, distillation, patch size), as the base's
+        # model_index records them.
+        args = {**self._pipeline_args(comps.source), **extra}
+        return super().build_pipeline(comps, cls, text_only, **args)
 
     def call_kwargs(self, spec):
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            "num_inference_steps": spec.num_inference_steps,
-            # CFG runs whenever the scale is above 0, as cond + scale · (cond − uncond).
-            "guidance_scale": spec.guidance_scale,
-            "width": spec.width,
-            "height": spec.height,
-            "max_sequence_length": self.max_sequence_length(),
-        }
+        kwargs = super().call_kwargs(spec)
+        # CFG runs whenever the scale is above 0, as cond + scale · (cond − uncond).
         if spec.guidance_scale > 0:
             # Named even when empty: the pipeline takes None to mean "", and a run drawing from
             # cached embeddings needs the text it stands for.
             kwargs["negative_prompt"] = spec.negative_prompt
-        if spec.adapter_scale != 1.0:
-            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
 
-    def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
-        from transformers import Qwen3VLModel
-
-        return self.empty_from_configs(
-            pretrained,
-            denoiser=(Krea2Transformer2DModel, "transformer"),
-            vae=(AutoencoderKLQwenImage, "vae"),
-            encoders=[(Qwen3VLModel, "text_encoder")],
-        )
-
     def denoiser_inputs(self, parts, batch, height, width):
-        transformer, vae = parts["denoiser"], parts["vae"]
-        config = transformer.config
-        f = 2 ** len(vae.config.temperal_downsample)  # the VAE's 8x
+        config = parts["denoiser"].config
         meta = {"device": "meta"}
-        latents = torch.zeros(batch, config.in_channels // 4, height // f, width // f, **meta)
+        latents = self.packed_meta_latents(parts, batch, height, width)
         seq = self.max_sequence_length()  # every caption is padded to it
         embeds = torch.zeros(batch, seq, config.num_text_layers, config.text_hidden_dim, **meta)
         mask = torch.ones(batch, seq, dtype=torch.bool, **meta)
@@ -401,7 +311,10 @@ class Krea2(Family):
 
     def make_tiny(self, out_dir, seed=0):
         """A tiny random-init Krea 2 Raw (`kit.families.krea2.tiny`)."""
-        return krea2_tiny.make(out_dir, seed)
+        built = krea2_tiny.parts(seed)
+        return self.save_tiny(
+            out_dir, *built, text_encoder_select_layers=krea2_tiny.TAPS, is_distilled=False
+        )
 
     # ------------------------------------------------------------ export
 
@@ -413,30 +326,12 @@ class Krea2(Family):
         # Krea's own LoRA keys: lora_A / lora_B, the scale folded in, no alpha.
         return krea2_layout.lora_file(state, alpha)
 
+    def original_layout(self, state, config):
+        # Krea's own module names (its transformer file, ComfyUI's diffusion_models).
+        return krea2_layout.to_original(state)
+
     def client_models(self, comps):
         # ComfyUI holds Krea 2 in the original layout and reads `diffusion_model.<its key>`
         # names for every model: the kit's file needs none of its diffusers-name aliases.
-        model = krea2_layout.to_original(comps.denoiser.state_dict())
+        model = self.original_state(comps.denoiser)
         return {"ComfyUI": (adapter_keys.prefixed("diffusion_model.", model), None)}
-
-    def single_file_state_dict(self, comps):
-        # The transformer alone, in the original layout: ComfyUI's diffusion_models file.
-        return krea2_layout.to_original(comps.denoiser.state_dict())
-
-    def single_file_pipeline(self, path, config_source):
-        return self.transformer_file_pipeline("Krea2Transformer2DModel", path, config_source)
-
-    # ------------------------------------------------------------ helpers
-
-    def _text_pipeline(self, comps: Components) -> Any:
-        """A Krea2Pipeline holding only the text parts (enough for `encode_prompt`)."""
-        from diffusers import Krea2Pipeline
-
-        return Krea2Pipeline(
-            scheduler=None,
-            vae=None,
-            text_encoder=comps.text_encoders[0],
-            tokenizer=comps.tokenizers[0],
-            transformer=None,
-            **self._pipeline_args(comps.source),
-        )

@@ -8,13 +8,12 @@ layers are tapped, the Qwen-Image VAE's 8x layout, and the release's scheduler c
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kit.families import tiny
-from kit.families.qwen_image.family import tiny_qwen2_tokenizer
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
 from kit.families.shipped import config_source
 
 HUB_ID = "krea/Krea-2-Raw"
@@ -23,69 +22,42 @@ TAPS = (0, 1, 2)
 
 
 def qwen3_vl(tokenizer: Any) -> Any:
-    """A two-layer `Qwen3VLModel` (text 32 wide with interleaved mRoPE, a one-block vision
-    tower) sized to `tokenizer`."""
+    """A two-layer `Qwen3VLModel` (`tiny_vl_config`, with interleaved mRoPE) sized to
+    `tokenizer`."""
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
-    ids = tokenizer.convert_tokens_to_ids
-    config = Qwen3VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
+    config = tiny_vl_config(
+        Qwen3VLConfig,
+        tokenizer,
+        text={
             "head_dim": 8,
-            "max_position_embeddings": 1024,
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": 5000000.0,
                 "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
                 "mrope_interleaved": True,
             },
-            "pad_token_id": ids("<|endoftext|>"),
-            "eos_token_id": ids("<|im_end|>"),
         },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 16,
-            "intermediate_size": 32,
-            "num_heads": 2,
-            "out_hidden_size": 32,
+        vision={
             "deepstack_visual_indexes": [0],
             # A small patch and position table: the tower is never run, only saved and loaded.
             "patch_size": 2,
             "num_position_embeddings": 16,
         },
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=True,
     )
     return Qwen3VLModel(config)
 
 
-def make(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny Krea 2 Raw into `out_dir` (diffusers layout, safetensors)."""
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        Krea2Pipeline,
-        Krea2Transformer2DModel,
-    )
+def parts(seed: int = 0) -> tuple[Any, ...]:
+    """The tiny Krea 2 Raw's parts, in the order of the family's table (transformer, VAE, text
+    encoder, tokenizer, scheduler); its pipeline taps `TAPS`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
 
     torch.manual_seed(seed)
     tokenizer = tiny_qwen2_tokenizer()
     text_encoder = qwen3_vl(tokenizer)
-    vae = AutoencoderKLQwenImage(
-        base_dim=3,
-        z_dim=16,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    )
+    vae = tiny.wan_vae("AutoencoderKLQwenImage")  # Qwen-Image's tiny VAE, 8x as the release
     transformer = Krea2Transformer2DModel(
         in_channels=64,  # 16 latent channels × a 2×2 patch
         num_layers=2,
@@ -111,13 +83,4 @@ def make(out_dir: str | Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         FlowMatchEulerDiscreteScheduler.load_config(config_source(HUB_ID), subfolder="scheduler")
     )
-    pipe = Krea2Pipeline(
-        scheduler=scheduler,
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
-        text_encoder_select_layers=TAPS,
-        is_distilled=False,
-    )
-    return tiny.save_pipeline(pipe, out_dir)
+    return transformer, vae, text_encoder, tokenizer, scheduler

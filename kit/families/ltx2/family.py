@@ -25,16 +25,16 @@ from PIL import Image
 from kit.config import Config
 from kit.errors import KitError
 from kit.families import adapter_keys, register
-from kit.families.base import PARTS, Components, Family, NoiseDraw, posterior_latent
+from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.flow import FlowFamily
 from kit.families.identity import base_identity, fingerprint, saved_scheduler
 from kit.families.ltx2 import i2v as ltx2_i2v
 from kit.families.ltx2 import layout as ltx2_layout
 from kit.families.ltx2 import sound
-from kit.families.ltx2.tiny import make_tiny
+from kit.families.ltx2 import tiny as ltx2_tiny
+from kit.families.parts import Part, denoiser, scheduler, text, vae
 from kit.families.samplers import Clip
 
-DEFAULT_SEQUENCE_LENGTH = 1024
-"""Gemma tokens the pipeline pads every prompt to (`max_sequence_length`)."""
 FRAME_RATE = 24.0
 """Frames per second LTX2Pipeline generates at by default (`frame_rate`): validation clips and
 clips whose rate is unknown (frame folders) are taken at it."""
@@ -43,7 +43,7 @@ AUDIO = "audio_latents"
 
 
 @register
-class LTX2(Family):
+class LTX2(FlowFamily):
     name = "ltx2"
     size_multiple = 32
     bucket_step = 32
@@ -59,8 +59,10 @@ class LTX2(Family):
     lora_layers_kwarg = "transformer_lora_layers"
     default_guidance_scale = 3.0  # LTX2Pipeline's default
     default_num_inference_steps = 30
-    held_parts = ("connectors",)
-    """Parts of the base this family holds beside `Components` (`part`), frozen."""
+    default_max_sequence_length = 1024  # Gemma tokens LTX2Pipeline pads every prompt to
+    scale_kwarg = "attention_kwargs"
+    # LTX2Pipeline's own `calculate_shift` fallbacks: 0.95 at 1024 tokens to 2.05 at 4096.
+    mu_defaults = (1024, 4096, 0.95, 2.05)
     # The kohya file is ComfyUI's: `lora_unet_<original path>`, which ComfyUI accepts for every
     # weight of its LTXAVModel (`model_lora_keys_unet`), checked against the original layout
     # (`layout.py`); diffusers reads only its own file.
@@ -79,12 +81,7 @@ class LTX2(Family):
             self.control_images = 1  # a validation prompt's image, given as its `control`
         super().__init__(self.cfg)
         ltx2_i2v.check_run(self.i2v, self.cfg, self.frame_count(self.cfg.data.num_frames))
-        self._parts: dict[str, Any] = {}
-
-    @property
-    def max_sequence_length(self) -> int:
-        """Gemma tokens per caption: the config's `max_sequence_length`, else the pipeline's."""
-        return self.cfg.model.max_sequence_length or DEFAULT_SEQUENCE_LENGTH
+        self._held: dict[str, Any] = {}
 
     def frame_count(self, available: int) -> int:
         """The most frames <= `available` an LTX-2 clip can have (8k+1); 0 when none."""
@@ -95,38 +92,34 @@ class LTX2(Family):
 
     # ------------------------------------------------------------ loading
 
+    # The connectors, audio VAE and vocoder are LTX2Pipeline's parts that `Components` has no
+    # place for: `held` loads and keeps them.
+    parts = (
+        denoiser("LTX2VideoTransformer3DModel"),
+        vae("AutoencoderKLLTX2Video"),
+        Part("audio_vae", "diffusers.AutoencoderKLLTX2Audio", "held"),
+        *text("Gemma3ForConditionalGeneration", "AutoTokenizer"),
+        Part("connectors", "diffusers.pipelines.ltx2.connectors.LTX2TextConnectors", "held"),
+        Part("vocoder", "diffusers.pipelines.ltx2.vocoder.LTX2Vocoder", "held"),
+        scheduler(),
+    )
+    held_parts = ("connectors",)
+    """The held parts `empty_parts` measures: the connectors run with the text encoder (the
+    audio VAE and the vocoder only while caching and drawing)."""
+    vae_frames = True
+    meta_buffers = True  # the rotary tables must be on the meta device with the activations
+
     def load(
         self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
     ) -> Components:
-        from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
-        from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-        from transformers import Gemma3ForConditionalGeneration
-
-        comps = self.load_parts(
-            pretrained,
-            parts,
-            revision=revision,
-            variant=variant,
-            dtype=dtype,
-            denoiser=(LTX2VideoTransformer3DModel, "transformer"),
-            vae=(AutoencoderKLLTX2Video, "vae"),
-            encoders=[(Gemma3ForConditionalGeneration, "text_encoder")],
-            tokenizers=[self._tokenizer(pretrained, revision)],
-            scheduler=self._training_scheduler(pretrained, revision),
+        comps = super().load(
+            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
         )
         if comps.text_encoders:
             # The connectors are the text encoder's second half (their output is what is
-            # cached), in its dtype; held here as they have no tokenizer of their own.
-            self._parts["connectors"] = (
-                LTX2TextConnectors.from_pretrained(
-                    comps.source,
-                    subfolder="connectors",
-                    revision=revision,
-                    torch_dtype=comps.text_encoders[0].dtype,
-                )
-                .requires_grad_(False)
-                .eval()
-            )
+            # cached): loaded with it, in its dtype.
+            dtype = comps.text_encoders[0].dtype
+            self._held["connectors"] = self._read_held("connectors", comps.source, revision, dtype)
         return comps
 
     def kohya_module(self, module):
@@ -138,14 +131,8 @@ class LTX2(Family):
         original = ltx2_layout.to_original(t.state_dict())
         return {"ComfyUI": (adapter_keys.prefixed("diffusion_model.", original), None)}
 
-    def load_tokenizers(self, pretrained):
-        return {"text_encoder": self._tokenizer(pretrained)}
-
     def token_limit(self, encoder, tokenizer):
-        return self.max_sequence_length
-
-    def identity_extras(self, pretrained, revision):
-        return self.max_sequence_length
+        return self.max_sequence_length()
 
     def identity(self, pretrained, revision=None):
         ident = super().identity(pretrained, revision)
@@ -166,41 +153,32 @@ class LTX2(Family):
 
         return ltx2_i2v.image_crf(AutoConfig.from_pretrained(source, subfolder="text_encoder"))
 
-    def _tokenizer(self, pretrained: str, revision: str | None = None) -> Any:
-        from transformers import AutoTokenizer
-
-        source = self.model_source(pretrained, ("tokenizer",))
-        tok = AutoTokenizer.from_pretrained(source, subfolder="tokenizer", revision=revision)
+    def read_tokenizer(self, part, source, revision):
         # As LTX2Pipeline sets it: Gemma pads on the left, with its end token if it has no pad.
+        tok = super().read_tokenizer(part, source, revision)
         tok.padding_side = "left"
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         return tok
 
-    def _training_scheduler(self, pretrained: str, revision: str | None) -> Any:
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler.from_pretrained(
-            self.model_source(pretrained), subfolder="scheduler", revision=revision
+    def _read_held(
+        self, name: str, source: str, revision: str | None = None, dtype: Any = None
+    ) -> Any:
+        """The held part `name` of the base at `source`, frozen."""
+        (part,) = [p for p in self.parts_of("held") if p.name == name]
+        cls = self.part_class(part, source)
+        module = cls.from_pretrained(
+            source, subfolder=part.folder, revision=revision, torch_dtype=dtype
         )
+        return module.requires_grad_(False).eval()
 
-    def part(self, comps: Components, name: str) -> Any:
-        """A part of the base that `Components` does not hold, frozen: the text `connectors`
-        (loaded with the text encoder), the `audio_vae` or the `vocoder` (loaded from the base
-        on first use); on the device, and in the floating dtype, of the module it works beside."""
-        from diffusers import AutoencoderKLLTX2Audio
-        from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-
-        if name not in self._parts:
-            cls = {
-                "connectors": LTX2TextConnectors,
-                "audio_vae": AutoencoderKLLTX2Audio,
-                "vocoder": LTX2Vocoder,
-            }[name]
-            module = cls.from_pretrained(comps.source, subfolder=name)
-            self._parts[name] = module.requires_grad_(False).eval()
-        module = self._parts[name]
+    def held(self, comps, name):
+        """A held part, frozen: the text `connectors` (loaded with the text encoder), the
+        `audio_vae` or the `vocoder` (loaded from the base on first use); on the device, and in
+        the floating dtype, of the module it works beside."""
+        if name not in self._held:
+            self._held[name] = self._read_held(name, comps.source)
+        module = self._held[name]
         beside = comps.text_encoders[0] if name == "connectors" and comps.text_encoders else None
         beside = beside or comps.vae or comps.denoiser
         if beside is not None:
@@ -209,16 +187,20 @@ class LTX2(Family):
             module.to(device=next(beside.parameters()).device, dtype=dtype)
         return module
 
+    def part(self, role, name=None):
+        # `part(comps, name)` is the held module, as the parity tests read the audio VAE.
+        return super().part(role) if name is None else self.held(role, name)
+
     # ------------------------------------------------------------ encoding
 
     @torch.no_grad()
     def encode_text(self, comps, captions):
         tok, gemma = comps.tokenizers[0], comps.text_encoders[0]
-        connectors = self.part(comps, "connectors")
+        connectors = self.held(comps, "connectors")
         inputs = tok(
             [c.strip() for c in captions],
             padding="max_length",
-            max_length=self.max_sequence_length,
+            max_length=self.max_sequence_length(),
             truncation=True,
             add_special_tokens=True,
             return_tensors="pt",
@@ -234,23 +216,17 @@ class LTX2(Family):
             "prompt_attention_mask": kept,
         }
 
-    @torch.no_grad()
-    def encode_images(self, comps, pixels, generator=None):
+    def normalize_latents(self, vae, latents):
+        # The VAE keeps its statistics as buffers (not in its config), scaled as the pipeline's.
         from diffusers import LTX2Pipeline
 
-        vae = comps.vae
-        if pixels.ndim == 4:
-            pixels = pixels.unsqueeze(2)  # an image is a one-frame clip
-        latents = posterior_latent(
-            vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist, generator
-        )
         return LTX2Pipeline._normalize_latents(
             latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
         )
 
     def sound_rate(self, comps: Components) -> int:
         """Samples a second of the waveforms `encode_sound` takes: the audio VAE's rate."""
-        return int(self.part(comps, "audio_vae").config.sample_rate)
+        return int(self.held(comps, "audio_vae").config.sample_rate)
 
     @torch.no_grad()
     def encode_sound(
@@ -261,7 +237,7 @@ class LTX2(Family):
         silence, its loss weighted 0), for `frames` frames at `fps` (None: the pipeline's 24)."""
         from diffusers import LTX2Pipeline
 
-        vae = self.part(comps, "audio_vae")
+        vae = self.held(comps, "audio_vae")
         rate = float(fps or FRAME_RATE)
         count = sound.latent_count(frames / rate, vae.config, vae.temporal_compression_ratio)
         count = max(count, 1)
@@ -285,21 +261,12 @@ class LTX2(Family):
     # ------------------------------------------------------------ training
 
     def noise_and_target(self, comps, latents, generator, **joint) -> NoiseDraw:
-        from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
-
+        # The sound is drawn with the video; σ is shifted for the clip's tokens, frames too.
         config = comps.noise_scheduler.config
         shift = self.cfg.objective.flow_shift
         if shift <= 0:
             # The pipeline's exponential shift for this clip's video tokens (1x1x1 patches).
-            tokens = math.prod(latents.shape[2:])
-            mu = calculate_shift(
-                tokens,
-                config.get("base_image_seq_len", 1024),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.95),
-                config.get("max_shift", 2.05),
-            )
-            shift = math.exp(mu)
+            shift = math.exp(self.dynamic_mu(config, math.prod(latents.shape[2:])))
         draw = self.flow_draw(comps, latents, generator, shift)
         audio = joint.get(AUDIO)
         if audio is not None:
@@ -380,22 +347,18 @@ class LTX2(Family):
     # ------------------------------------------------------------ sampling
 
     def pipeline(self, comps):
-        import diffusers
-
-        connectors = self.part(comps, "connectors")
+        # The base's own sampler config, the bare transformer, and connectors that split
+        # cached embeddings when there is no text encoder.
+        connectors = self.held(comps, "connectors")
         if not comps.text_encoders or comps.text_encoders[0] is None:
             # Drawn from cached embeddings (`kit.sample.embedded`): the cache holds the
             # connectors' output, which `prompt_kwargs` hands the pipeline as its prompt embeds.
             connectors = Connected(connectors)
-        return getattr(diffusers, self.pipeline_class)(
+        return self.build_pipeline(
+            comps,
             scheduler=saved_scheduler(comps.source, "FlowMatchEulerDiscreteScheduler"),
-            vae=comps.vae,
-            audio_vae=self.part(comps, "audio_vae"),
-            text_encoder=comps.text_encoders[0] if comps.text_encoders else None,
-            tokenizer=comps.tokenizers[0],
             connectors=connectors,
             transformer=getattr(comps.denoiser, "module", comps.denoiser),
-            vocoder=self.part(comps, "vocoder"),
         )
 
     def prompt_kwargs(self, text):
@@ -408,31 +371,21 @@ class LTX2(Family):
         }
 
     def call_kwargs(self, spec):
-        kwargs: dict[str, Any] = {
-            "prompt": spec.prompt,
-            "negative_prompt": spec.negative_prompt,
-            "height": spec.height,
-            "width": spec.width,
-            "num_frames": self.frame_count(self.cfg.data.num_frames),
-            "frame_rate": FRAME_RATE,
-            "num_inference_steps": spec.num_inference_steps,
-            "guidance_scale": spec.guidance_scale,
-            "max_sequence_length": self.max_sequence_length,
-            "output_type": "np",  # frames as floats, and the vocoder's waveform beside them
-        }
-        if spec.adapter_scale != 1.0:
-            kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
+        kwargs = super().call_kwargs(spec)
+        kwargs.update(
+            negative_prompt=spec.negative_prompt,
+            num_frames=self.frame_count(self.cfg.data.num_frames),
+            frame_rate=FRAME_RATE,
+            output_type="np",  # frames as floats, and the vocoder's waveform beside them
+        )
         if self.i2v is not None:
             # The file, so the sidecar records it; `sample` opens it for the pipeline.
             kwargs["image"] = spec.control[0] if spec.control else None
         return kwargs
 
     def sample(self, pipe, spec):
-        if self.i2v is not None and not spec.control:
-            raise KitError(
-                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
-                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
-            )
+        if self.i2v is not None:
+            self.require_image(spec)
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
             out = pipe(**self.pipeline_call(spec), generator=generator)
@@ -445,21 +398,15 @@ class LTX2(Family):
     # ------------------------------------------------------------ memory estimate
 
     def empty_parts(self, pretrained):
-        from diffusers import AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
-        from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
-        from transformers import Gemma3ForConditionalGeneration
-
-        parts = self.empty_from_configs(
-            pretrained,
-            denoiser=(LTX2VideoTransformer3DModel, "transformer"),
-            vae=(AutoencoderKLLTX2Video, "vae"),
-            encoders=[(Gemma3ForConditionalGeneration, "text_encoder")],
-            include_buffers=True,
-        )
+        # The held parts the estimate counts, built from their configs too.
+        parts = super().empty_parts(pretrained)
         source = self.model_source(pretrained)
-        config = LTX2TextConnectors.load_config(source, subfolder="connectors")
-        with torch.device("meta"):
-            parts["connectors"] = LTX2TextConnectors.from_config(config)
+        for part in self.parts_of("held"):
+            if part.name in self.held_parts:
+                cls = self.part_class(part, pretrained)
+                config = cls.load_config(source, subfolder=part.folder)
+                with torch.device("meta"):
+                    parts[part.name] = cls.from_config(config)
         return parts
 
     def denoiser_inputs(self, parts, batch, height, width):
@@ -470,7 +417,7 @@ class LTX2(Family):
         h, w = height // s, width // s
         audio = max(1, round(frames / FRAME_RATE * 25))  # 16 kHz, hop 160, 4x: 25 a second
         meta = {"device": "meta"}
-        tokens = self.max_sequence_length
+        tokens = self.max_sequence_length()
         connectors = parts["connectors"]
         video_width = connectors.video_connector.inner_dim
         audio_width = connectors.audio_connector.inner_dim
@@ -497,7 +444,11 @@ class LTX2(Family):
     # ------------------------------------------------------------ tiny copy
 
     def make_tiny(self, out_dir, seed=0):
-        return make_tiny(out_dir, seed)
+        return self.save_tiny(out_dir, *ltx2_tiny.parts(seed))
+
+    def single_file_state_dict(self, comps):
+        # No merged single-file layout for LTX-2 yet: refused as `Family` refuses one.
+        return Family.single_file_state_dict(self, comps)
 
 
 class Connected(torch.nn.Module):

@@ -9,20 +9,19 @@ packed audio latents by per-feature statistics of that length.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import torch
 
 from kit.families import tiny
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny LTX-2 in diffusers layout into `out_dir`."""
+def parts(seed: int = 0) -> tuple[Any, ...]:
+    """The tiny LTX-2's parts, in the order of the family's table."""
     from diffusers import (
         AutoencoderKLLTX2Audio,
         AutoencoderKLLTX2Video,
         FlowMatchEulerDiscreteScheduler,
-        LTX2Pipeline,
         LTX2VideoTransformer3DModel,
     )
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
@@ -128,14 +127,4 @@ def make_tiny(out_dir: str | Path, seed: int = 0) -> Path:
         base_image_seq_len=1024,
         max_image_seq_len=4096,
     )
-    pipe = LTX2Pipeline(
-        scheduler=scheduler,
-        vae=vae,
-        audio_vae=audio_vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        connectors=connectors,
-        transformer=transformer,
-        vocoder=vocoder,
-    )
-    return tiny.save_pipeline(pipe, out_dir)
+    return transformer, vae, audio_vae, text_encoder, tokenizer, connectors, vocoder, scheduler

@@ -169,13 +169,12 @@ def tiny_qwen2_tokenizer(words: tuple[str, ...] = ()) -> Any:
     return tok
 
 
-def tiny_qwen25_vl(tokenizer: Any) -> Any:
-    """A two-layer `Qwen2_5_VLForConditionalGeneration` (text 32 wide, a one-layer vision tower)
-    sized to `tokenizer`, with its vision token ids."""
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+def tiny_vl_config(config_cls: type, tokenizer: Any, text: dict, vision: dict, **extra: Any) -> Any:
+    """A tiny Qwen vision-language `config_cls`: text 32 wide over two layers and a one-layer
+    vision tower, sized to `tokenizer` with its chat and vision token ids; `text`, `vision` and
+    `extra` add each model's own settings (Krea 2's Qwen3-VL builds on it too)."""
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2_5_VLConfig(
+    return config_cls(
         text_config={
             "vocab_size": len(tokenizer),
             "hidden_size": 32,
@@ -184,10 +183,9 @@ def tiny_qwen25_vl(tokenizer: Any) -> Any:
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
             "max_position_embeddings": 1024,
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]},
-            "bos_token_id": None,
             "eos_token_id": ids("<|im_end|>"),
             "pad_token_id": ids("<|endoftext|>"),
+            **text,
         },
         vision_config={
             "depth": 1,
@@ -195,12 +193,28 @@ def tiny_qwen25_vl(tokenizer: Any) -> Any:
             "intermediate_size": 32,
             "num_heads": 2,
             "out_hidden_size": 32,
-            "fullatt_block_indexes": [0],
+            **vision,
         },
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
+        **extra,
+    )
+
+
+def tiny_qwen25_vl(tokenizer: Any) -> Any:
+    """A two-layer `Qwen2_5_VLForConditionalGeneration` (`tiny_vl_config`)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    config = tiny_vl_config(
+        Qwen2_5_VLConfig,
+        tokenizer,
+        text={
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+            "bos_token_id": None,
+        },
+        vision={"fullatt_block_indexes": [0]},
     )
     return Qwen2_5_VLForConditionalGeneration(config)
 

@@ -378,11 +378,8 @@ class Wan(FlowFamily):
         return kwargs
 
     def sample(self, pipe, spec):
-        if self.i2v is not None and not spec.control:
-            raise KitError(
-                f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
-                "give it as validation_prompts: [{prompt: ..., control: [image]}]"
-            )
+        if self.i2v is not None:
+            self.require_image(spec)
         kwargs = self.pipeline_call(spec)
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
         with torch.no_grad():
