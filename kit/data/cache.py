@@ -307,14 +307,8 @@ def plan_cache(
         [latent_dir / f"{_key(_digest(c), p.record(), *rule)}.safetensors" for c in controls_of(s)]
         for s, p in zip(samples, plan.placements, strict=True)
     ]
-    check_batchable(
-        samples,
-        plan.placements,
-        family,
-        cfg,
-        batched=cfg.train.train_batch_size > 1,  # a bucket's samples must be able to share a batch
-        controls=any(control_files),
-    )
+    batched = cfg.train.train_batch_size > 1  # a bucket's samples must be able to share a batch
+    check_batchable(samples, plan.placements, family, cfg, batched, controls=any(control_files))
     return CachedDataset(
         samples,
         plan,
