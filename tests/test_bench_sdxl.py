@@ -27,6 +27,7 @@ def _load(name: str):
 bs = _load("bench_step")
 
 
+@pytest.mark.slow
 def test_sdxl_job_runs_both_sides_on_the_tiny_model_on_the_cpu(tmp_path, tiny_base, monkeypatch):
     # One thread per child: the two cores are shared, and a step's threads then do not wait on
     # the kit's background batch reader.
@@ -56,6 +57,7 @@ def test_sdxl_job_runs_both_sides_on_the_tiny_model_on_the_cpu(tmp_path, tiny_ba
     assert "| steps/s (steady) |" in table and "| MFU | – | – | – |" in table
 
 
+@pytest.mark.slow
 def test_model_flops_grow_with_the_pixels_and_count_the_backward(tiny_base):
     base = tiny_base("sdxl")
     small = bs.unet_step_flops(base, bs.sdxl_spec(tiny=True))

@@ -71,6 +71,7 @@ def quick_encoders(monkeypatch, family) -> dict[str, int]:
     return calls
 
 
+@pytest.mark.slow
 def test_2000_images_fit_in_14_files_and_a_second_plan_encodes_nothing(setup, monkeypatch):
     cfg, family, comps, _ = setup(2000, cache_format="shards")
     calls = quick_encoders(monkeypatch, family)

@@ -37,6 +37,7 @@ def test_bf16_is_kept_only_where_the_cpu_has_it(monkeypatch):
         assert resolve_precision("bf16") == "no"
 
 
+@pytest.mark.slow
 def test_a_bf16_run_on_the_cpu_trains_resumes_and_exports(tmp_path, make_config, bf16_cpu):
     cfg = load_config(make_config("a.json", mixed_precision="bf16", output_dir=str(tmp_path / "a")))
     s = prepare(cfg)
@@ -65,6 +66,7 @@ def test_a_bf16_run_on_the_cpu_trains_resumes_and_exports(tmp_path, make_config,
         assert all("-scales/" in f for f in v.files), v.files
 
 
+@pytest.mark.slow
 def test_a_bf16_config_that_trained_in_fp32_is_checked_against_its_own_images(
     tmp_path, make_config, monkeypatch
 ):
@@ -89,6 +91,7 @@ def test_bf16_on_cpus_under_fsdp_or_deepspeed_is_refused(
         make_accelerator(cfg, RunDir(tmp_path / "run"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["sdxl", "sd3", "flux", "wan"])
 def test_every_family_trains_in_bf16_and_its_export_is_checked(
     tmp_path, tiny_base, family_dataset, bf16_cpu, family

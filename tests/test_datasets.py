@@ -69,6 +69,7 @@ def test_buckets_count_repeats_per_dataset(tmp_path, make_config, dataset, capsy
     assert "chars" in text and "prior" in text and "26 per epoch" in text
 
 
+@pytest.mark.slow
 def test_two_datasets_train_weight_and_resume_exactly(tmp_path, make_config, dataset):
     """Repeats and a prior loss weight train, the batch carries the weight, and a resume mid-run
     ends on the same weights as the uninterrupted run."""
@@ -219,6 +220,7 @@ def test_caption_tools_work_across_datasets(tmp_path, make_config, dataset):
     assert (tmp_path / "reg" / "reg_1.txt").read_text() == before
 
 
+@pytest.mark.slow
 def test_class_images_drawn_once_for_a_prior_dataset(tmp_path, make_config, dataset):
     """`generate` draws the missing class images with their prompt as caption, before the
     scan; a second run draws none, and a changed prompt is refused naming both."""

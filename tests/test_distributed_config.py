@@ -91,6 +91,7 @@ def test_refuses_a_non_yaml_file(tmp_path, capsys):
     assert rc == 2 and ".yaml" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_launch_in_notebook_one_process(make_config, tmp_path):
     """One process runs in this one: the plumbing from config file to a trained run."""
     run = launch_in_notebook(make_config(max_train_steps=1), num_processes=1)

@@ -86,6 +86,7 @@ PROMPTS = ["a zorbstar on a beach", "a zorbstar in space", "a house at night"]
 # ---------------------------------------------------------------- real runs
 
 
+@pytest.mark.slow
 def test_forced_nan_is_named_first_with_precision(tmp_path, make_config, monkeypatch):
     """A loss that turns NaN at step 3 stops training; the doctor names it, with the state."""
     import kit.train.step
@@ -116,6 +117,7 @@ def test_forced_nan_is_named_first_with_precision(tmp_path, make_config, monkeyp
     assert saved["counts"]["error"] >= 1 and "nan" in saved["error"]
 
 
+@pytest.mark.slow
 def test_resume_with_wiped_optimizer_and_scheduler(tmp_path, make_config):
     """Resuming from a checkpoint whose optimizer moments and schedule were lost is an error."""
     cfg = load_config(

@@ -38,6 +38,7 @@ def _tiny(path, **changes) -> Config:
     return Config().replace(**{**base, "mixed_precision": "bf16", **changes})
 
 
+@pytest.mark.slow
 def test_zero2_and_fsdp_divide_what_they_shard(tiny_sd15):
     cfg = _tiny(tiny_sd15, network_type="full")
     one = estimate(cfg).components
@@ -71,6 +72,7 @@ def test_ddp_adds_the_gradient_buckets_and_divides_nothing(tiny_sd15):
     assert two.peak_bytes > one.peak_bytes and two.floor_bytes > one.floor_bytes
 
 
+@pytest.mark.slow
 def test_lora_base_is_whole_under_zero2_and_sharded_under_fsdp(tiny_sd15):
     cfg = _tiny(tiny_sd15)
     one = estimate(cfg).components
@@ -102,6 +104,7 @@ def test_cli_estimate_per_gpu(tmp_path, tiny_sd15, capsys):
     assert out["components"]["optimizer_state"] * 2 >= one.components["optimizer_state"]
 
 
+@pytest.mark.slow
 def test_advice_puts_a_full_flux_fine_tune_on_several_24gb_cards(tmp_path, capsys):
     cfg = Config().replace(**FLUX_FULL)
     assert not estimate(cfg).fits(GPUS[CARD])
@@ -130,6 +133,7 @@ def test_advice_puts_a_full_flux_fine_tune_on_several_24gb_cards(tmp_path, capsy
     assert "FSDP on" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_planner_picks_a_multi_gpu_layout_for_a_full_flux_fine_tune(dataset, tmp_path):
     base = Config().replace(**FLUX_FULL)
     p = plan(dataset, "character", base=base, gpu=CARD, output_dir=str(tmp_path / "run"))
@@ -181,6 +185,7 @@ def _fsdp_process(rank: int, world: int, port: int, unet_dir: str, out: dict) ->
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_optimizer_state_per_process_is_the_estimate(tiny_sd15):
     """Measured: two CPU processes over gloo, each holding its shard of AdamW's state."""
     import torch.multiprocessing as mp

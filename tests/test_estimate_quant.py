@@ -109,6 +109,7 @@ def test_the_swap_is_the_one_the_trainer_installs(tiny_base):
         estimate(cfg, blocks_to_swap=1, base_quantization="int8")
 
 
+@pytest.mark.slow
 def test_quantization_for_every_family_and_swap_only_for_transformer_stacks():
     cfg = Config().replace(model_family="sd15", pretrained_model="sd15", mixed_precision="bf16")
     plain, q8 = estimate(cfg), estimate(cfg, base_quantization="int8")
@@ -134,6 +135,7 @@ def _shape(cfg: Config) -> Shape:
 # ---------------------------------------------------------------- Flux.1 dev on real cards
 
 
+@pytest.mark.slow
 def test_flux_dev_lora_on_16_and_24_gb_cards():
     """bf16 fits neither card; int8, nf4 or swapping blocks fit both: the cache fills before
     the denoiser is loaded, so the setup holds the encoders (T5 still in bf16) and the VAE
@@ -179,6 +181,7 @@ def test_flux_dev_lora_on_16_and_24_gb_cards():
     assert 20 * GIB < every.details["host_by_phase"]["training"] < 23 * GIB
 
 
+@pytest.mark.slow
 def test_every_advice_row_is_config_keys_the_trainer_takes(tmp_path):
     """Each row, applied with `kit train -s key=value`, loads, is accepted by the method, the
     quantization and the block swap, and the estimate of the loaded config is the row's."""
@@ -208,6 +211,7 @@ def test_every_advice_row_is_config_keys_the_trainer_takes(tmp_path):
     assert {"base_quantization", "blocks_to_swap"} <= keys, keys
 
 
+@pytest.mark.slow
 def test_advice_on_a_tiny_model_names_real_keys(tmp_path, tiny_sd15):
     config = _write(
         tmp_path / "sd15.json",

@@ -78,6 +78,7 @@ def trained_run(tmp_path_factory, tiny_sd15):
     return RunDir(tmp / "run")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
 def test_export_verifies_against_validation_images(trained_run, fmt):
     result = export(trained_run.root, fmt)
@@ -87,6 +88,7 @@ def test_export_verifies_against_validation_images(trained_run, fmt):
     assert json.loads(result.path.with_suffix(".verify.json").read_text())["passed"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
 def test_plain_diffusers_reproduces_a_validation_image(trained_run, fmt):
     """An independent process with plain diffusers and the sidecar JSON draws the same image."""
@@ -101,6 +103,7 @@ def test_plain_diffusers_reproduces_a_validation_image(trained_run, fmt):
     assert int(out.stdout.strip().splitlines()[-1]) <= 2
 
 
+@pytest.mark.slow
 def test_the_adapter_changes_the_image(trained_run):
     """The comparison above means something: without the adapter the image differs."""
     from kit.sample.validate import draw_checkpoint
@@ -159,6 +162,7 @@ def test_diffusers_file_carries_its_scale_in_the_weights(trained_run):
         assert torch.allclose(written, expected), key
 
 
+@pytest.mark.slow
 def test_a_wrong_file_fails_verification(trained_run, tmp_path):
     """A file whose scale is off (alpha lost, as naive converters do) does not pass."""
     path = export(trained_run.root, "kohya", verify=False).path

@@ -196,6 +196,7 @@ def test_a_users_config_json_in_output_dir_and_doctor_on_a_dataset(
     assert "not a run folder" in err and snapshot(dataset) == snap
 
 
+@pytest.mark.slow
 def test_overwrite_removes_only_what_a_run_wrote(capsys, make_config, tmp_path):
     project = tmp_path / "project"
     mine = project / "validation" / "my-photo.png"

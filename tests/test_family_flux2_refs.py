@@ -187,6 +187,7 @@ def test_the_estimate_counts_configured_references(bases, tmp_path):
         assert tokens.shape[1] == kwargs["img_ids"].shape[1] == 16 * (1 + references)
 
 
+@pytest.mark.slow
 def test_validation_draws_references_through_image(bases, tmp_path):
     from kit.sample.validate import image_specs, run_validation
 
@@ -211,6 +212,7 @@ def test_validation_draws_references_through_image(bases, tmp_path):
     assert sidecar["call_kwargs"]["image"] == [str(f) for f in files]
 
 
+@pytest.mark.slow
 def test_a_run_with_references_trains_resumes_and_exports(bases, tmp_path, monkeypatch):
     """Two references per target: 4 steps straight equal 2 + 2 resumed, bit for bit; every export
     verifies, and holds the same keys as a run without references (the transformer is the same)."""

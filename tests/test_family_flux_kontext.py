@@ -44,6 +44,7 @@ def test_tiny_base_is_a_kontext_pipeline(tiny_kontext):
     assert index["_class_name"] == "FluxKontextPipeline"
 
 
+@pytest.mark.slow
 def test_training_inputs_equal_the_pipelines(tiny_kontext, tmp_path):
     """One cached training pair through `predict`, and FluxKontextPipeline's first step for the
     same control image, prompt, size and noise: every transformer input is equal."""

@@ -129,6 +129,7 @@ def _record(transformer):
     return seen, real
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["edit", "plus"])
 def test_training_inputs_equal_the_pipelines(variant, tiny_edit, tiny_plus, tmp_path):
     """One cached training pair through `predict`, and the edit pipeline's first step for the
@@ -219,6 +220,7 @@ def test_an_edited_control_re_encodes_its_caption(tiny_edit, tmp_path):
     assert not plan_cache(kontext, identity, torch.float32, family=other).text_controls
 
 
+@pytest.mark.slow
 def test_validation_grid_draws_the_edit_with_its_encoder(tiny_edit, tmp_path):
     from kit.sample.embedded import draws_from_embeddings
     from kit.sample.validate import image_specs, run_validation

@@ -45,6 +45,7 @@ def _config(tmp, base, run: str, **overrides):
     return load_config(path)
 
 
+@pytest.mark.slow
 def test_without_t5_trains_a_step_and_plain_diffusers_reproduces_it(sd3_setup):
     tmp, base = sd3_setup
     cfg = _config(tmp, base, "no-t5", use_t5=False, max_sequence_length=16)

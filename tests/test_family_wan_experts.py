@@ -159,6 +159,7 @@ def experts_run(tmp_path_factory, experts_base, family_dataset):
     return tmp, config, result
 
 
+@pytest.mark.slow
 def test_both_experts_train_and_resume_bit_for_bit(experts_run):
     from safetensors.torch import load_file
 
@@ -324,6 +325,7 @@ def test_an_expert_no_batch_drew_is_called_untrained(experts_run, capsys):
     assert file_use(run, "kohya", kohya.files[idle].name).startswith("not checked")
 
 
+@pytest.mark.slow
 def test_quantized_experts_train_resume_and_export(experts_run):
     """base_quantization with two experts: both experts' frozen Linear layers stored int8 (the
     held one too), the adapters on the quantized layers; resume bit for bit; two files."""
@@ -422,6 +424,7 @@ def test_estimate_holds_one_expert_on_the_gpu_and_both_in_host_ram(module_trace_
         assert e.host_bytes / gib > 2 * 26.6
 
 
+@pytest.mark.slow
 def test_ti2v_5b_estimates_as_one_transformer(module_trace_cache):
     from kit.preflight.estimate import estimate
 
@@ -584,6 +587,7 @@ def test_clips_play_at_the_models_own_frame_rate(tmp_path):
     assert json.loads(index_run(run).read_text())["fps"] == 24
 
 
+@pytest.mark.slow
 def test_experts_swap_their_blocks_train_and_resume(experts_run):
     """blocks_to_swap with both experts: each expert's last block is swapped (hooks on both,
     counted), its frozen weights back in CPU memory between uses; resume bit for bit."""

@@ -231,6 +231,7 @@ def i2v_runs(tmp_path_factory, i2v_base, family_dataset):
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_trains_resumes_and_exports(i2v_runs, kind):
     from safetensors.torch import load_file

@@ -65,6 +65,7 @@ def test_scaler_is_built_from_the_config(tmp_path, make_config, cpu_fp16):
     assert fp32.mixed_precision == "no" and fp32.scaler is None
 
 
+@pytest.mark.slow
 def test_fp16_trains_logs_the_scale_and_resumes_exactly(tmp_path, make_config, cpu_fp16):
     """The scale grows every good step here; a resume restores it and matches a straight run."""
     from kit.families.sd15.family import SD15
@@ -109,6 +110,7 @@ def test_fp16_trains_logs_the_scale_and_resumes_exactly(tmp_path, make_config, c
         assert torch.equal(wa[k], wb[k]), k
 
 
+@pytest.mark.slow
 def test_overflowing_steps_are_skipped_and_the_scale_backs_off(tmp_path, make_config, cpu_fp16):
     """A huge initial scale overflows fp16 gradients: no update, scale × backoff, no stop."""
     big = 2.0**40

@@ -35,6 +35,7 @@ def _config(tmp_path, tiny, dataset, family, **fields):
 TI = TEXTUAL_INVERSION
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_textual_inversion_trains_resumes_and_exports(tmp_path, tiny, dataset, family):
     from kit.train.loop import train
@@ -107,6 +108,7 @@ def test_textual_inversion_token_checks(tiny, tokens, init, match):
         get_method(cfg, family).attach(family.load(str(tiny["sd15"])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_full_fine_tune_with_text_encoder(tmp_path, tiny, dataset, family):
     from kit.train.loop import train
@@ -140,6 +142,7 @@ def test_network_preview_and_estimate_for_full_and_ti(tmp_path, tiny, dataset):
     assert full.settings["trainable_params"] > 100 * ti.settings["trainable_params"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lora", "dora", "loha", "lokr"])
 def test_adapter_kinds_on_sdxl(tmp_path, tiny, dataset, kind):
     """Each adapter kind trains, resumes exactly and exports (verified) on SDXL too."""

@@ -88,6 +88,7 @@ def test_every_case_builds_a_checked_config(tmp_path):
     assert (tiny.train.blocks_to_swap, tiny.data.resolution) == (1, 64)
 
 
+@pytest.mark.slow
 def test_dry_run_builds_and_estimates_every_case_on_the_tiny_models(tmp_path, capsys):
     gc.main(["--dry-run", "--tiny", "--work-dir", str(tmp_path)])
     out = capsys.readouterr().out
@@ -185,6 +186,7 @@ def test_table_and_readme_section(tmp_path):
     assert text.count(gc.BEGIN) == text.count(gc.END) == 1
 
 
+@pytest.mark.slow
 def test_one_case_end_to_end_on_the_tiny_model_on_the_cpu(tmp_path, tiny_base):
     work = tmp_path / "work"
     # The configs and the random-init folder as the run would make them (the build itself is

@@ -43,6 +43,7 @@ def test_data_modules_import_no_torch():
     assert loaded == []
 
 
+@pytest.mark.slow
 def test_the_planner_imports_no_model_library():
     # The planner asks the configured method for its learning rate, and the methods import
     # torch; the model libraries wait until a model is built.
@@ -59,6 +60,7 @@ def test_family_facts_and_names_without_torch():
     assert _imported_after(code) == []
 
 
+@pytest.mark.slow
 def test_quieting_the_libraries_waits_for_their_import():
     code = (
         "import sys, logging\n"
@@ -154,6 +156,7 @@ def test_unknown_family_names_the_known_ones():
 # ------------------------------------------------------------------ one scan per run
 
 
+@pytest.mark.slow
 def test_a_training_run_scans_its_dataset_once(tmp_path, tiny_sd15, monkeypatch):
     """The scan in prepare is the run's only one: buckets, the cache plan, the validation
     prompts (from the captions here), the data report and the doctor all reuse it, and no image
@@ -197,6 +200,7 @@ def test_a_training_run_scans_its_dataset_once(tmp_path, tiny_sd15, monkeypatch)
     assert sorted(Path(p).name for p in probes) == sorted(p.name for p in data.glob("*.png"))
 
 
+@pytest.mark.slow
 def test_the_kit_program_exits_with_its_commands_code(tmp_path):
     """`python -m kit` (the `kit` program, `kit.cli.run`) returns what the command returned,
     errors included, though it skips the interpreter's last garbage collection."""

@@ -96,6 +96,7 @@ def test_sigkill_at_random_moments_always_resumes_to_the_same_weights(tmp_path, 
     assert steps == list(range(1, STEPS + 1))  # no step lost or logged twice
 
 
+@pytest.mark.slow
 def test_full_disk_keeps_the_previous_checkpoint(tmp_path, make_config, monkeypatch):
     cfg = load_config(make_config(max_train_steps=4, checkpointing_steps=2))
     real = ckpt.save_file

@@ -9,6 +9,7 @@ from kit.toy import world as toyworld
 from kit.toy.judge import ATTRIBUTES, judge, score
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [(64, 64), (96, 64), (128, 128), (128, 192)])
 def test_judge_reads_generator_images(size):
     scenes = toyworld.sample_scenes(60, seed=7)

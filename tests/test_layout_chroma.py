@@ -244,6 +244,7 @@ def test_chroma_pipeline_loads_the_kohya_file_to_the_trained_weights(tiny_chroma
         assert torch.allclose(loaded[key], value, atol=1e-5), key
 
 
+@pytest.mark.slow
 def test_diffusers_reads_single_blocks_at_the_released_widths():
     """diffusers' reader of sd-scripts files splits `linear1` at the released widths only:
     LoRA tensors alone at those widths show it reads the fused single-block LoRA as trained."""

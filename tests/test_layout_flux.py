@@ -352,6 +352,7 @@ def test_lycoris_keys_refuse_other_weights():
         lycoris_keys({"pos_embed.x.hada_w1_a": torch.zeros(4, 32)}, 4.0, 4)
 
 
+@pytest.mark.slow
 def test_diffusers_reads_the_file_exactly_at_the_released_widths():
     """diffusers' reader of sd-scripts Flux files assumes Flux.1's widths (hidden 3072) and drops
     the final layer's alpha; LoRA tensors alone at those widths show it reads the fused LoRAs

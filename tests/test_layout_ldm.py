@@ -250,6 +250,7 @@ def _configs(tiny_base) -> dict[str, dict]:
     return out
 
 
+@pytest.mark.slow
 def test_unet_module_names_cover_every_layer_and_agree_with_diffusers(tiny_base):
     """Every weight-holding module of each UNet has one original name, and diffusers' own
     converter takes each name back to the module it came from (real sizes, on meta)."""

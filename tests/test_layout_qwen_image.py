@@ -159,6 +159,7 @@ def assert_same_weights(ours: dict[str, torch.Tensor], reference: dict[str, torc
         assert torch.allclose(ours[key].float(), value, atol=1e-5, rtol=0), key
 
 
+@pytest.mark.slow
 def test_lora_file_loads_to_the_trained_merge_in_both_clients(qwen_base, tmp_path):
     from peft import LoraConfig
 

@@ -167,6 +167,7 @@ def test_module_map_covers_every_weight_of_the_tiny_models(base):
     }
 
 
+@pytest.mark.slow
 def test_module_map_covers_sd35_medium_as_released():
     from accelerate import init_empty_weights
 

@@ -224,6 +224,7 @@ def test_diffusers_reads_the_lora_file_to_the_merged_weights(base, tiny_zimage):
         assert torch.allclose(got[key], merged[key], atol=1e-6), key
 
 
+@pytest.mark.slow
 def test_diffusers_reads_the_lokr_file_to_the_merged_weights(base, tiny_zimage):
     """A LoKr file in the same naming goes through diffusers' `_convert_non_diffusers_lokr_to_
     diffusers` (ai-toolkit's Z-Image LoKr layout), which bakes the alpha as LyCORIS does."""

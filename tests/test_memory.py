@@ -53,6 +53,7 @@ def test_shipped_configs_build_the_real_architecture_offline(folder):
     assert all(p.device.type == "meta" for m in parts.values() for p in m.parameters())
 
 
+@pytest.mark.slow
 def test_shipped_config_estimate_adds_up_and_prints_json(tmp_path, capsys):
     path = tmp_path / "sd15.json"
     path.write_text(
@@ -77,6 +78,7 @@ def test_shipped_config_estimate_adds_up_and_prints_json(tmp_path, capsys):
     assert sum(out["details"]["activations_by_group"].values()) == c["activations"]
 
 
+@pytest.mark.slow
 def test_the_trace_follows_checkpointing_precision_batch_and_is_cached(tiny_sd15, monkeypatch):
     cfg = _cfg(str(tiny_sd15), "sd15", 256)
     base = estimate(cfg)
@@ -139,6 +141,7 @@ def test_config_source_prefers_a_local_folder(tmp_path, monkeypatch):
     assert config_source("sdxl") == "sdxl"
 
 
+@pytest.mark.slow
 def test_advice_fits_the_budget_on_a_tiny_model(tiny_sd15):
     cfg = _cfg(str(tiny_sd15), "sd15", 512, train_batch_size=4)
     est = estimate(cfg)
@@ -190,6 +193,7 @@ def test_attention_keeps_what_the_cpu_flash_kernel_keeps():
     assert (kept, stride, after) == _attention_block("cpu", estimate_kernels=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_traced_step_matches_a_real_cpu_step_tensor_for_tensor(tiny_sd15, ckpt):
     """The trace's live tensors equal those of a real fp32 CPU step counted the same way."""

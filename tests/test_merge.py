@@ -73,6 +73,7 @@ def _latest_adapter(run: RunDir) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt.resolve_resume(run.root, "latest") / ckpt.ADAPTER_FILE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_single_file_holds_base_plus_adapter(tmp_path, lora_run, tiny_sd15, scale):
     result = merge(lora_run.root, out=tmp_path / "m.safetensors", scale=scale, dtype="fp32")
@@ -229,6 +230,7 @@ def test_text_encoder_adapters_merge_too(tiny_sd15):
 # ------------------------------------------------------------------ full fine-tuning
 
 
+@pytest.mark.slow
 def test_full_fine_tune_merges_as_trained(tmp_path, tiny_sd15, family_dataset):
     from kit.train.loop import train
 
@@ -278,6 +280,7 @@ def test_textual_inversion_is_refused_with_the_way_out(tmp_path, tiny_sd15, fami
         merge(run, out=tmp_path / "m.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["sd3", "wan"])
 def test_transformer_families_merge_into_their_original_layout(
     family, tmp_path, tiny_base, family_dataset

@@ -24,6 +24,7 @@ def _weights(run, step):
     return load_file(str(ckpt.checkpoint_dir(run, step) / ckpt.ADAPTER_FILE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "formats", "marker"),
     [

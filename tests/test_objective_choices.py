@@ -225,6 +225,7 @@ def _trained(adapter: dict[str, torch.Tensor]) -> bool:
     return bool(ups) and any(bool(v.abs().sum() > 0) for v in ups)
 
 
+@pytest.mark.slow
 def test_sd15_defaults_are_unchanged_and_each_choice_changes_the_run(
     tmp_path, tiny_sd15, family_dataset
 ):

@@ -181,6 +181,7 @@ SCHEDULE_FREE_RUN = {
 }
 
 
+@pytest.mark.slow
 def test_schedule_free_checkpoints_hold_the_averaged_weights(tmp_path, make_config):
     """At a checkpoint the trained parameters are the optimizer's eval-mode average (x), not the
     point it takes gradients at (y). The next step trains in train mode again (the optimizer
@@ -218,6 +219,7 @@ def test_schedule_free_checkpoints_hold_the_averaged_weights(tmp_path, make_conf
     assert all(torch.equal(final[k], now[k]) for k in final)
 
 
+@pytest.mark.slow
 def test_schedule_free_resume_matches_the_straight_run(tmp_path, make_config):
     """Stopped at the step-2 checkpoint and resumed: the same weights, EMA and optimizer state
     at step 4 as a run that never stopped."""
@@ -249,6 +251,7 @@ def test_schedule_free_resume_matches_the_straight_run(tmp_path, make_config):
     assert [r["lr"] for r in rows] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lion", "came"])
 def test_lion_and_came_train_the_tiny_model(tmp_path, make_config, name):
     result = train(

@@ -14,6 +14,7 @@ from kit.ui.panel import LIVE_FIGURE, TrainPanel
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_start_trains_in_the_background_and_shows_progress(make_config):
     cfg = load_config(make_config(max_train_steps=4, validation_steps=2))
     panel = TrainPanel(cfg, plot_every=2)

@@ -120,6 +120,7 @@ def test_training_prompts_carry_the_trigger_when_some_captions_do():
     assert _prompts(captions[:1], "zorbic", "character")["training"] == captions[:1]
 
 
+@pytest.mark.slow
 def test_a_base_too_large_for_the_card_is_planned_quantized_or_swapped(dataset, tmp_path):
     """Flux.1 dev on a 24 GB card: no batch fits in bf16, so the plan takes the advice's
     cheapest storage settings, and its config loads and fits by the estimate."""

@@ -235,6 +235,7 @@ def _adapter(run_dir, step):
     return load_file(str(ckpt.checkpoint_dir(run_dir, step) / ckpt.ADAPTER_FILE))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("live", [False, True], ids=["cached-text", "train_text_encoder"])
 def test_preservation_run_resumes_bit_for_bit_under_accumulation(tmp_path, make_config, live):
     from kit.train.loop import train
@@ -278,6 +279,7 @@ def test_preservation_two_processes_match_one(tmp_path, two_processes_and_one):
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)
 
 
+@pytest.mark.slow
 def test_estimate_counts_the_preservation_passes(tiny_sd15, monkeypatch, tmp_path):
     """The trained pass holds the batch and its preservation rows: about twice the activations,
     and the base's pass without gradients is traced before it."""
@@ -374,6 +376,7 @@ def test_slider_run_resumes_bit_for_bit(tmp_path, make_config):
     assert {d["prompt"] for d in drawn} == {SLIDE["target"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sdxl", "sd3", "flux", "wan"])
 def test_every_family_trains_with_preservation(tmp_path, tiny_base, family_dataset, name):
     """Family-agnostic: the batch and its preservation rows go through each family's own

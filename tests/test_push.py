@@ -78,6 +78,7 @@ def dry_run(run, tmp_path_factory):
         return push(run.root, "someone/zorbstar-lora", dry_run=True, out_dir=out)
 
 
+@pytest.mark.slow
 def test_dry_run_writes_exactly_the_upload_folder(run, dry_run):
     folder = dry_run.folder
     on_disk = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())

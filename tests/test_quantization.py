@@ -74,6 +74,7 @@ def int8_run(request, tmp_path_factory, tiny_base, family_dataset):
     return family, tmp / "run", seen
 
 
+@pytest.mark.slow
 def test_the_blocks_linear_layers_are_int8_and_smaller(int8_run):
     family, _, seen = int8_run
     layers = seen["layers"]
@@ -268,6 +269,7 @@ def test_nf4_on_cuda_packs_the_blocks_and_lora_trains_on_it(tiny_base):
     assert all(p.grad is not None for p in layer.parameters() if p.requires_grad)
 
 
+@pytest.mark.slow
 def test_wan_encodes_its_cache_with_its_umt5_int8_and_trains(
     tmp_path, tiny_base, family_dataset, monkeypatch
 ):

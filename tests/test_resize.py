@@ -229,6 +229,7 @@ def _loha_updates(cfg, weights) -> dict[str, torch.Tensor]:
     return {k: v.double() for k, v in delta_weights(tensors, unet, family.kohya_prefix).items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "reference"), [("dora", _dora_updates), ("loha", _loha_updates)])
 def test_extracted_lora_at_full_rank_reproduces_the_adapter(
     kind, reference, tmp_path_factory, tiny_sd15, family_dataset

@@ -18,6 +18,7 @@ def _restore_showwarning(monkeypatch):
     monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
 
 
+@pytest.mark.slow
 def test_resume_and_merge_refuse_another_adapter_or_base(capsys, make_config, tmp_path, tiny_sd15):
     base_a, base_b = tmp_path / "base-a", tmp_path / "base-b"
     shutil.copytree(tiny_sd15, base_a)

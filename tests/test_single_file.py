@@ -276,6 +276,7 @@ def runs(tmp_path_factory, tiny_base, files, family_dataset):
     return out
 
 
+@pytest.mark.slow
 def test_a_run_from_the_file_trains_bit_for_bit_as_from_the_folder(runs):
     weights = {
         name: ckpt.exported_weights(ckpt.resolve_resume(run, "latest"))

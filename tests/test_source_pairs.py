@@ -248,6 +248,7 @@ def test_what_a_source_cannot_do_is_refused_in_one_line(pairs, tmp_path, capsys)
     assert sorted(p.name for p in (root / "shards").iterdir()) == ["train-000000.tar"]
 
 
+@pytest.mark.slow
 def test_clips_in_shards_train_a_video_family_as_a_folders_do(tmp_path, tiny_base):
     """mp4 members of shards: the same clips, windows and cache keys as the same files in a
     folder, the same pixels, a clip too short named with its key; a short Wan run trains on

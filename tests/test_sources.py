@@ -50,6 +50,7 @@ def _train_with_resume(make_config, tmp_path: Path, entry: dict) -> dict:
     return json.loads((tmp_path / "a" / "dataset_manifest.json").read_text())
 
 
+@pytest.mark.slow
 def test_parquet_dataset_trains_and_resumes_exactly(tmp_path, make_config, records):
     path = write_parquet(records, tmp_path / "toy.parquet")
     manifest = _train_with_resume(make_config, tmp_path, {"hf_dataset": str(path)})
@@ -57,6 +58,7 @@ def test_parquet_dataset_trains_and_resumes_exactly(tmp_path, make_config, recor
     assert {r["caption"] for r in manifest} == {r[3] for r in records}
 
 
+@pytest.mark.slow
 def test_tar_shards_train_and_resume_exactly(tmp_path, make_config, records):
     pattern = write_shards(records, tmp_path / "shards", per_shard=3)
     assert len(expand_braces(pattern)) == 3
@@ -224,6 +226,7 @@ def s3(monkeypatch):
     server.stop()
 
 
+@pytest.mark.slow
 def test_s3_prefix_trains_and_resumes_exactly(tmp_path, make_config, records, s3):
     for key, ext, data, caption in records:
         s3.pipe(f"kit-data/toy/{key}.{ext}", data)

@@ -188,6 +188,7 @@ def test_unlogged_steps_do_not_sync_and_prefetch_changes_nothing(
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_compile_true_compiles_the_denoiser_and_reports_the_warm_up(
     make_config, tmp_path, monkeypatch, capsys
 ):

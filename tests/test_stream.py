@@ -160,6 +160,7 @@ def test_streaming_refuses_what_it_cannot_read(tmp_path, records):
         scan(from_dict(streamed(tmp_path / "saved")).data)
 
 
+@pytest.mark.slow
 def test_a_streamed_dataset_trains_and_resumes_exactly(tmp_path, make_config, records, monkeypatch):
     """A stream cached with a read that broke at row 5 (the cache kept its entries, the read
     resumed at the first row not cached), trained 4 steps straight and 2 + resume + 2: the same

@@ -200,6 +200,7 @@ def test_text_encoder_lora_resumes_bit_for_bit(tmp_path, tiny_sd15, family_datas
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_the_estimate_counts_the_text_encoder_adapters():
     from kit.preflight.estimate import estimate
 

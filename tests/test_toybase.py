@@ -6,6 +6,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 
 from kit.toy import base as toybase
 from kit.toy import world as toyworld
@@ -49,6 +50,7 @@ def test_a_short_build_saves_a_loadable_pipeline(tmp_path):
     assert image.shape == (64, 64, 3) and np.isfinite(image).all()
 
 
+@pytest.mark.slow
 def test_the_color_term_makes_latents_follow_the_image_colors():
     import torch
     import torch.nn.functional as F

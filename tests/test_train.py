@@ -75,6 +75,7 @@ def _adapter(run_dir, step):
     return load_file(str(ckpt.checkpoint_dir(run_dir, step) / ckpt.ADAPTER_FILE))
 
 
+@pytest.mark.slow
 def test_resume_mid_run_matches_straight_run(tmp_path, make_config):
     """Stop after 10 of 20 steps (mid-epoch), resume, finish: bitwise equal adapter weights."""
     common = {
