@@ -378,17 +378,10 @@ class LTX2(FlowFamily):
             frame_rate=FRAME_RATE,
             output_type="np",  # frames as floats, and the vocoder's waveform beside them
         )
-        if self.i2v is not None:
-            # The file, so the sidecar records it; `sample` opens it for the pipeline.
-            kwargs["image"] = spec.control[0] if spec.control else None
-        return kwargs
+        return {**kwargs, **self.first_frame_kwargs(spec)}
 
     def sample(self, pipe, spec):
-        if self.i2v is not None:
-            self.require_image(spec)
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            out = pipe(**self.pipeline_call(spec), generator=generator)
+        out = self.draw_clip(pipe, spec)
         video, audio = out.frames, out.audio
         frames = [Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) for f in video[0]]
         # The vocoder's waveform, (channels, samples) at its output rate, plays with the frames.
