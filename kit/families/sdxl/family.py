@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from kit.families import adapter_keys, ldm, register, tiny
-from kit.families.base import PARTS, Components, posterior_latent
+from kit.families.base import posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.ldm import ldm_aliases
 from kit.families.parts import text
@@ -66,15 +66,8 @@ class SDXL(LatentDiffusion):
             self._ldm_names = ldm.unet_module_names(unet)
         return self._ldm_names[module]
 
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        comps = super().load(
-            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
-        )
-        if comps.text_encoders:
-            pool_at_eos(comps.text_encoders[1], comps.tokenizers[1])
-        return comps
+    def text_loaded(self, comps, revision):
+        pool_at_eos(comps.text_encoders[1], comps.tokenizers[1])
 
     def encode_text(self, comps, captions):
         # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders
