@@ -25,8 +25,8 @@ block types, attention and conditioning."""
 
 
 def unet_parts(*encoders: Part) -> tuple[Part, ...]:
-    """A UNet family's parts: the UNet, the VAE, the CLIP-L text encoder and then `encoders`,
-    and the DDPM schedule that training noise is drawn from (built from the sampler's config)."""
+    """A UNet family's parts: the UNet, the VAE, the first CLIP text encoder (SD 2's OpenCLIP
+    is the same class) and then `encoders`, and the DDPM schedule training noise is drawn from."""
     return (
         denoiser("UNet2DConditionModel", "unet"),
         vae(),
