@@ -51,6 +51,9 @@ class FlowFamily(Family):
     mu_defaults: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)
     """What the pipeline's `calculate_shift` takes where the scheduler config names none:
     base_image_seq_len, max_image_seq_len, base_shift, max_shift."""
+    i2v: Any = None
+    """A video family's image-to-video settings when the run draws from a first frame; None:
+    from text alone."""
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
@@ -245,6 +248,22 @@ class FlowFamily(Family):
                 f"validation prompt {spec.prompt!r}: image-to-video draws from an image; "
                 "give it as validation_prompts: [{prompt: ..., control: [image]}]"
             )
+
+    def first_frame_kwargs(self, spec: ImageSpec) -> dict[str, Any]:
+        """An image-to-video call's `image`: the file, so the sidecar records it
+        (`pipeline_call` opens it); nothing when the run draws from text alone."""
+        if self.i2v is None:
+            return {}
+        return {"image": spec.control[0] if spec.control else None}
+
+    def draw_clip(self, pipe: Any, spec: ImageSpec) -> Any:
+        """The pipeline's output for `spec`, a video family's draw; an image-to-video prompt
+        without its image is refused first."""
+        if self.i2v is not None:
+            self.require_image(spec)
+        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
+        with torch.no_grad():
+            return pipe(**self.pipeline_call(spec), generator=generator)
 
     def packed_meta_latents(self, parts: dict, batch: int, height: int, width: int) -> torch.Tensor:
         """Meta-device latents of an image this size, for `denoiser_inputs` of a family whose

@@ -208,9 +208,16 @@ class PartTable:
         names = {"denoiser": dn.name, "vae": ae.name}
         names.update({f"text_encoders.{i}": p.name for i, p in enumerate(encoders)})
         identity = self.identity(pretrained, revision)
-        return Components(
+        comps = Components(
             model, autoencoder, text, tokenizers, noise_scheduler, src.source, identity, names
         )
+        if text:
+            self.text_loaded(comps, revision)
+        return comps
+
+    def text_loaded(self, comps: Components, revision: str | None) -> None:
+        """What a family does once `load` has read its text encoders: a fix to them, or a part
+        that runs with them and loads beside them (none by default)."""
 
     def load_scheduler(self, pretrained: str, revision: str | None) -> Any:
         """The training noise scheduler, as the base saved it."""

@@ -25,7 +25,7 @@ from PIL import Image
 from kit.config import Config
 from kit.errors import KitError
 from kit.families import adapter_keys, register
-from kit.families.base import PARTS, Components, Family, NoiseDraw
+from kit.families.base import Components, Family, NoiseDraw
 from kit.families.flow import FlowFamily
 from kit.families.identity import base_identity, fingerprint, saved_scheduler
 from kit.families.ltx2 import i2v as ltx2_i2v
@@ -109,18 +109,11 @@ class LTX2(FlowFamily):
     vae_frames = True
     meta_buffers = True  # the rotary tables must be on the meta device with the activations
 
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        comps = super().load(
-            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
-        )
-        if comps.text_encoders:
-            # The connectors are the text encoder's second half (their output is what is
-            # cached): loaded with it, in its dtype.
-            dtype = comps.text_encoders[0].dtype
-            self._held["connectors"] = self._read_held("connectors", comps.source, revision, dtype)
-        return comps
+    def text_loaded(self, comps, revision):
+        # The connectors are the text encoder's second half (their output is what is cached):
+        # loaded with it, in its dtype.
+        dtype = comps.text_encoders[0].dtype
+        self._held["connectors"] = self._read_held("connectors", comps.source, revision, dtype)
 
     def kohya_module(self, module):
         return ltx2_layout.original_name(module)
@@ -378,17 +371,10 @@ class LTX2(FlowFamily):
             frame_rate=FRAME_RATE,
             output_type="np",  # frames as floats, and the vocoder's waveform beside them
         )
-        if self.i2v is not None:
-            # The file, so the sidecar records it; `sample` opens it for the pipeline.
-            kwargs["image"] = spec.control[0] if spec.control else None
-        return kwargs
+        return {**kwargs, **self.first_frame_kwargs(spec)}
 
     def sample(self, pipe, spec):
-        if self.i2v is not None:
-            self.require_image(spec)
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            out = pipe(**self.pipeline_call(spec), generator=generator)
+        out = self.draw_clip(pipe, spec)
         video, audio = out.frames, out.audio
         frames = [Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) for f in video[0]]
         # The vocoder's waveform, (channels, samples) at its output rate, plays with the frames.

@@ -5,31 +5,19 @@ from __future__ import annotations
 import torch
 
 from kit.families import adapter_keys, ldm, register, tiny
-from kit.families.base import Family, posterior_latent
+from kit.families.base import posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.ldm import ldm_aliases
-from kit.families.parts import denoiser, scheduler, text, vae
-from kit.families.samplers import DDPM_SAMPLERS
 from kit.families.shipped import config_source
+from kit.families.unet import TINY_UNET, LatentDiffusion, sd_schedule, tiny_vae, unet_parts
 
 
 @register
-class SD15(Family):
+class SD15(LatentDiffusion):
     name = "sd15"
-    parts = (
-        denoiser("UNet2DConditionModel", "unet"),
-        vae(),
-        *text("CLIPTextModel", "CLIPTokenizer", trainable=True),
-        scheduler("DDPMScheduler"),
-    )
-    samplers = DDPM_SAMPLERS
-    size_multiple = 8
+    parts = unet_parts()
     native_resolution = 512
     hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
-    bucket_step = 64
-    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
-    kohya_prefix = "lora_unet"
-    diffusers_reads_kohya = True
     kohya_text_prefixes = ("lora_te",)
     base_model_version = "sd_v1"
     modelspec_architecture = "stable-diffusion-v1"
@@ -64,15 +52,8 @@ class SD15(Family):
         }
 
     def encode_text(self, comps, captions):
-        tok = comps.tokenizers[0]
         enc = comps.text_encoders[0]
-        ids = tok(
-            captions,
-            padding="max_length",
-            max_length=tok.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids.to(enc.device)
+        ids = self.clip_ids(comps.tokenizers[0], captions, enc.device)
         return {"prompt_embeds": enc(ids)[0]}
 
     @torch.no_grad()
@@ -84,9 +65,6 @@ class SD15(Family):
 
     def predict(self, comps, noisy, timesteps, cond):
         return comps.denoiser(noisy, timesteps, encoder_hidden_states=cond["prompt_embeds"]).sample
-
-    def noise_and_target(self, comps, latents, generator):
-        return self.ddpm_draw(comps, latents, generator)
 
     def pipeline(self, comps):
         from diffusers import StableDiffusionPipeline
@@ -104,11 +82,7 @@ class SD15(Family):
         )
 
     def denoiser_inputs(self, parts, batch, height, width):
-        unet, vae = parts["denoiser"], parts["vae"]
-        f = 2 ** (len(vae.config.block_out_channels) - 1)
-        c = unet.config.in_channels
-        latents = torch.zeros(batch, c, height // f, width // f, device="meta")
-        steps = torch.zeros(batch, dtype=torch.long, device="meta")
+        latents, steps = self.meta_latents(parts, batch, height, width)
         width_te = parts["text_encoder"].config.hidden_size
         embeds = torch.zeros(batch, 77, width_te, device="meta")
         return (latents, steps), {"encoder_hidden_states": embeds}
@@ -120,30 +94,15 @@ class SD15(Family):
         torch.manual_seed(seed)
         tokenizer = tiny.clip_tokenizer()
         text_encoder = CLIPTextModel(tiny.clip_text_config(tokenizer))
-        vae = tiny.autoencoder_kl(
-            block_out_channels=(16, 32, 32, 32), latent_channels=4, sample_size=128
-        )
+        vae = tiny_vae()
         unet = UNet2DConditionModel(
-            sample_size=16,
-            in_channels=4,
-            out_channels=4,
+            **TINY_UNET,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
             up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-            block_out_channels=(32, 64),
-            layers_per_block=1,
             cross_attention_dim=32,
             attention_head_dim=8,
-            norm_num_groups=32,
         )
-        scheduler = DDIMScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            clip_sample=False,
-            set_alpha_to_one=False,
-            steps_offset=1,
-            prediction_type="epsilon",
-        )
+        scheduler = sd_schedule(DDIMScheduler, clip_sample=False, set_alpha_to_one=False)
         extra = {"feature_extractor": None, **self.pipeline_kwargs}  # no safety checker
         return self.save_tiny(out_dir, unet, vae, text_encoder, tokenizer, scheduler, **extra)
 

@@ -7,12 +7,12 @@ from typing import Any
 import torch
 
 from kit.families import adapter_keys, ldm, register, tiny
-from kit.families.base import PARTS, Components, Family, posterior_latent
+from kit.families.base import posterior_latent
 from kit.families.identity import part_config, saved_scheduler
 from kit.families.ldm import ldm_aliases
-from kit.families.parts import denoiser, scheduler, text, vae
-from kit.families.samplers import DDPM_SAMPLERS
+from kit.families.parts import text
 from kit.families.shipped import config_source
+from kit.families.unet import TINY_UNET, LatentDiffusion, sd_schedule, tiny_vae, unet_parts
 
 # The CLIP context length both encoders are fed (what the pipeline pads to).
 CONTEXT = 77
@@ -32,25 +32,12 @@ def pool_at_eos(encoder: Any, tokenizer: Any) -> None:
 
 
 @register
-class SDXL(Family):
+class SDXL(LatentDiffusion):
     name = "sdxl"
-    # Training noise comes from a DDPM schedule built from the sampler's config.
-    parts = (
-        denoiser("UNet2DConditionModel", "unet"),
-        vae(),
-        *text("CLIPTextModel", "CLIPTokenizer", trainable=True),
-        *text("CLIPTextModelWithProjection", "CLIPTokenizer", 2, trainable=True),
-        scheduler("DDPMScheduler"),
-    )
-    samplers = DDPM_SAMPLERS
-    size_multiple = 8
+    parts = unet_parts(*text("CLIPTextModelWithProjection", "CLIPTokenizer", 2, trainable=True))
     native_resolution = 1024
     hub_id = "stabilityai/stable-diffusion-xl-base-1.0"
     embedding_names = ("clip_l", "clip_g")
-    bucket_step = 64
-    default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
-    kohya_prefix = "lora_unet"
-    diffusers_reads_kohya = True
     kohya_text_prefixes = ("lora_te1", "lora_te2")
     base_model_version = "sdxl_base_v1-0"
     modelspec_architecture = "stable-diffusion-xl-v1-base"
@@ -79,15 +66,8 @@ class SDXL(Family):
             self._ldm_names = ldm.unet_module_names(unet)
         return self._ldm_names[module]
 
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        comps = super().load(
-            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
-        )
-        if comps.text_encoders:
-            pool_at_eos(comps.text_encoders[1], comps.tokenizers[1])
-        return comps
+    def text_loaded(self, comps, revision):
+        pool_at_eos(comps.text_encoders[1], comps.tokenizers[1])
 
     def encode_text(self, comps, captions):
         # As StableDiffusionXLPipeline.encode_prompt: penultimate hidden states of both encoders
@@ -96,13 +76,7 @@ class SDXL(Family):
         hidden = []
         for tok, enc in zip(comps.tokenizers, comps.text_encoders, strict=True):
             bare = getattr(enc, "module", enc)  # a trained encoder is wrapped under DDP
-            ids = tok(
-                captions,
-                padding="max_length",
-                max_length=tok.model_max_length,
-                truncation=True,
-                return_tensors="pt",
-            ).input_ids.to(bare.device)
+            ids = self.clip_ids(tok, captions, bare.device)
             out = enc(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2])
         eos = (ids == tok.eos_token_id).int().argmax(dim=-1)
@@ -123,9 +97,6 @@ class SDXL(Family):
             sd = torch.tensor(sd).view(1, -1, 1, 1).to(mean)
             return (mean - mu) * cfg.scaling_factor / sd
         return mean * cfg.scaling_factor
-
-    def noise_and_target(self, comps, latents, generator):
-        return self.ddpm_draw(comps, latents, generator)
 
     def predict(self, comps, noisy, timesteps, cond):
         pooled = cond["pooled_prompt_embeds"]
@@ -156,13 +127,8 @@ class SDXL(Family):
         )
 
     def denoiser_inputs(self, parts, batch, height, width):
-        unet, vae = parts["denoiser"], parts["vae"]
         te1, te2 = parts["text_encoder"].config, parts["text_encoder_2"].config
-        f = 2 ** (len(vae.config.block_out_channels) - 1)
-        latents = torch.zeros(
-            batch, unet.config.in_channels, height // f, width // f, device="meta"
-        )
-        steps = torch.zeros(batch, dtype=torch.long, device="meta")
+        latents, steps = self.meta_latents(parts, batch, height, width)
         embeds = torch.zeros(batch, CONTEXT, te1.hidden_size + te2.hidden_size, device="meta")
         added = {
             "text_embeds": torch.zeros(batch, te2.projection_dim, device="meta"),
@@ -182,22 +148,13 @@ class SDXL(Family):
             tiny.clip_text_config(tokenizer_2, max_positions=CONTEXT)
         )
         te_cfg = text_encoder_2.config
-        vae = tiny.autoencoder_kl(
-            block_out_channels=(16, 32, 32, 32),
-            latent_channels=4,
-            sample_size=128,
-            scaling_factor=0.13025,
-        )
+        vae = tiny_vae(scaling_factor=0.13025)
         time_dim = 8
         unet = UNet2DConditionModel(
-            sample_size=16,
-            in_channels=4,
-            out_channels=4,
+            **TINY_UNET,
             # As SDXL: no attention at the highest resolution.
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            block_out_channels=(32, 64),
-            layers_per_block=1,
             attention_head_dim=(2, 4),
             use_linear_projection=True,
             cross_attention_dim=2 * te_cfg.hidden_size,
@@ -205,16 +162,8 @@ class SDXL(Family):
             addition_time_embed_dim=time_dim,
             # Six size/crop ids, each embedded in time_dim, plus the pooled text projection.
             projection_class_embeddings_input_dim=6 * time_dim + te_cfg.projection_dim,
-            norm_num_groups=32,
         )
-        scheduler = EulerDiscreteScheduler(
-            beta_start=0.00085,
-            beta_end=0.012,
-            beta_schedule="scaled_linear",
-            timestep_spacing="leading",
-            steps_offset=1,
-            prediction_type="epsilon",
-        )
+        scheduler = sd_schedule(EulerDiscreteScheduler, timestep_spacing="leading")
         text = (text_encoder, tokenizer, text_encoder_2, tokenizer_2)
         return self.save_tiny(out_dir, unet, vae, *text, scheduler, **self.pipeline_kwargs)
 

@@ -372,18 +372,10 @@ class Wan(FlowFamily):
         }
         if spec.adapter_scale != 1.0:
             kwargs["attention_kwargs"] = {"scale": spec.adapter_scale}
-        if self.i2v is not None:
-            # The file, so the sidecar records it; `sample` opens it for the pipeline.
-            kwargs["image"] = spec.control[0] if spec.control else None
-        return kwargs
+        return {**kwargs, **self.first_frame_kwargs(spec)}
 
     def sample(self, pipe, spec):
-        if self.i2v is not None:
-            self.require_image(spec)
-        kwargs = self.pipeline_call(spec)
-        generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            out = pipe(**kwargs, generator=generator)
+        out = self.draw_clip(pipe, spec)
         # The pipeline's default output is floats in [0, 1]; rounded as a plain user would.
         return [
             Image.fromarray((np.asarray(f) * 255).round().astype("uint8")) for f in out.frames[0]
