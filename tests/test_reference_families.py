@@ -19,6 +19,7 @@ from kit.config import Config, TrainConfig, load_config
 from kit.families import family_names, get_family
 from kit.families.base import ImageSpec
 from kit.families.noise import flow_noise_and_target
+from kit.families.shipped import ARCHITECTURES
 from kit.optim import make_scheduler
 from kit.sample.validate import image_specs, run_validation
 from kit.train.objective import EMA
@@ -182,6 +183,15 @@ def test_a_loss_weighting_draws_uniform_sigma_by_default(weighting):
 @pytest.mark.parametrize("name", family_names())
 def test_each_family_samples_with_its_pipelines_default_guidance(name):
     family = get_family(name, _config(name))
+    if family.distillation(family.cfg.model.pretrained_model):
+        # A family whose own base is step-distilled (Z-Image Turbo) draws without CFG; its
+        # non-distilled release takes the pipeline's default, as checked here.
+        base = next(
+            a.hub_id
+            for a in ARCHITECTURES.values()
+            if a.family == name and not family.distillation(a.hub_id)
+        )
+        family = get_family(name, _config(name, pretrained_model=base))
     pipeline = getattr(diffusers, family.pipeline_class)
     # The keyword the family passes its guidance as: `guidance_scale`, or the true-CFG scale of
     # a pipeline whose `guidance_scale` is a distilled model's input (Qwen-Image).
@@ -276,7 +286,8 @@ def test_the_sidecar_records_the_negative_prompt_the_pipeline_receives(tiny_base
 def test_encode_images_draws_a_seeded_posterior_sample_on_request(name, tiny_base):
     family = get_family(name, _config(name))
     comps = family.load(str(tiny_base(name)), parts=("vae",))
-    shape = (1, 3, 5, 32, 32) if family.video else (1, 3, 32, 32)
+    # A clip of the fewest frames past one that the family's VAE takes (Wan 4k+1, LTX-2 8k+1).
+    shape = (1, 3, family.frame_count(9), 32, 32) if family.video else (1, 3, 32, 32)
     pixels = torch.rand(shape, generator=torch.Generator().manual_seed(1)) * 2 - 1
     with torch.no_grad():
         mean = family.encode_images(comps, pixels)
@@ -298,6 +309,8 @@ def test_encode_images_draws_a_seeded_posterior_sample_on_request(name, tiny_bas
     for c in range(ratio.shape[1]):
         for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
             r = ratio[:, c, ..., i::2, j::2][usable[:, c, ..., i::2, j::2]]
+            if not r.numel():  # latents one position wide (LTX-2's 32x VAE at 32 px)
+                continue
             assert r.min() > 0 and r.max() - r.min() < 1e-3 * r.max(), (c, i, j)
 
 
