@@ -288,6 +288,11 @@ class QwenImage21(FlowFamily):
             None,
             torch.zeros(batch, seq, dtype=torch.bool, **meta),
         )
+        # The transformer reads its layout from the mask's values (which slots hold the target's
+        # tokens): a CPU mask, which the estimator's trace lets meta tensors use.
+        text = torch.zeros(batch, seq, dtype=torch.bool)
+        target = torch.ones(batch, latents.shape[-2] * latents.shape[-1] // 4, dtype=torch.bool)
+        kwargs["img_mask"] = torch.cat([text, target], dim=1)
         return (kwargs.pop("hidden_states"),), kwargs
 
     # ------------------------------------------------------------ tiny copy
