@@ -234,3 +234,66 @@ def test_estimate_answers_for_the_hub_id_at_1024_without_a_download():
     weights = est.components["denoiser_weights"] / 2**30
     assert 7.0e9 * 2 / 2**30 < weights < 7.2e9 * 2 / 2**30
     assert est.components["activations"] > 0
+
+
+def _references(n):
+    """`n` references of different sizes; the second carries transparency."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    images = []
+    for i, (w, h) in enumerate([(96, 64), (64, 64), (64, 96)][:n]):
+        pixels = rng.integers(0, 255, (h, w, 4 if i == 1 else 3), dtype=np.uint8)
+        images.append(Image.fromarray(pixels, "RGBA" if i == 1 else "RGB"))
+    return images
+
+
+@pytest.mark.parametrize("n", [1, 3], ids=["one-reference", "three-references"])
+def test_edit_inputs_equal_the_pipelines(loaded, n, monkeypatch):
+    """With references: the prompt as the pipeline encodes it with them (the VL encoder reading
+    each, resized, over white), their VAE latents (RGBA, the mode) before the target's, their
+    shapes in `img_shapes` and their slots in `img_mask`, tensor for tensor."""
+    from kit.families.qwen_image21 import family as module
+
+    family, comps = loaded
+    # A small reference area keeps the tiny run quick; the pipeline's is output_resolution².
+    monkeypatch.setattr(module, "REFERENCE_AREA", 64 * 64)
+    pipe = family.pipeline(comps)
+    refs = _references(n)
+    latents = torch.randn(1, 64, 4, 6, generator=torch.Generator().manual_seed(4))
+    calls = _recorded_call(
+        pipe,
+        prompt=CAPTIONS[1],
+        image=refs,
+        latents=pack(latents),
+        height=64,
+        width=96,
+        num_inference_steps=1,
+        output_resolution=64,
+        use_kv_cache=False,
+        output_type="latent",
+    )
+    text = family.encode_text(comps, [CAPTIONS[1]], controls=[refs])
+    with torch.no_grad():
+        controls = [
+            family.encode_images(comps, family.control_pixels(r).unsqueeze(0)) for r in refs
+        ]
+    kit = transformer_inputs(
+        latents,
+        pipe.scheduler.timesteps[:1],
+        text["prompt_embeds"],
+        text["prompt_embeds_mask"],
+        text["image_pad_mask"],
+        controls,
+    )
+    assert int(kit["img_mask"].sum()) * 4 == kit["hidden_states"].shape[1]
+    _assert_same(kit, calls[0])
+    seen = []
+    hook = comps.denoiser.register_forward_pre_hook(
+        lambda _m, _a, kw: seen.append(kw), with_kwargs=True
+    )
+    cond = {**text, **{f"control_latents_{r}": c for r, c in enumerate(controls)}}
+    with torch.no_grad():
+        family.predict(comps, latents, pipe.scheduler.timesteps[:1], cond)
+    hook.remove()
+    _assert_same(kit, seen[0])

@@ -11,4 +11,5 @@ FACTS = FamilyInfo(
     bucket_step=64,
     native_resolution=1024,
     hub_id="Qwen/Qwen-Image-2.1",
+    control_images=10,
 )

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kit.errors import DataError
+from kit.errors import ConfigError, DataError
 from kit.families import register
 from kit.families.base import PARTS, Components
 from kit.families.flow import FlowFamily
@@ -45,6 +45,8 @@ STEPS = {BASE: 40, TURBO: 8}
 its `sample_sigmas` decide the count when the base ships them)."""
 VAE_FACTOR = 16
 """The VAE's spatial factor: the pipeline's `vae_scale_factor`."""
+REFERENCE_AREA = 1024 * 1024
+"""The area a reference is resized to (`output_resolution`², the pipeline's default 1024)."""
 MAX_SEQUENCE_LENGTH = 1024
 """The kit's cap on a caption's tokens (the cache's fixed length): the pipeline cuts nothing, so
 a longer caption is refused rather than cut."""
@@ -123,6 +125,10 @@ class QwenImage21(FlowFamily):
     export_formats = ("diffusers",)
     quantized_text_encoders = ("text_encoder",)  # Qwen3-VL, only ever read frozen
     vae_frames = True  # a 3D causal VAE used on single frames
+    # Text to image and edit in one: up to ten references (the release's), none needed. The
+    # prompt is encoded with its pair's references (the VL encoder reads them).
+    control_images = 10
+    prompt_controls = True
 
     parts = (
         denoiser("QwenImage21Transformer2DModel"),
@@ -137,6 +143,18 @@ class QwenImage21(FlowFamily):
     def __init__(self, cfg: Any = None) -> None:
         self._processors: dict[str, Any] = {}
         super().__init__(cfg)
+        data = self.cfg.data
+        with_references = any(
+            getattr(d, "control_dir", None) or getattr(d, "control_column", ())
+            for d in [data, *data.datasets]
+        )
+        # The empty caption's embedding would depend on each pair's references; the cache
+        # holds one for the whole run.
+        if with_references and self.cfg.objective.caption_dropout > 0:
+            raise ConfigError(
+                "caption_dropout: qwen_image21 encodes each caption with its pair's reference "
+                "images, so there is no one empty caption to drop to; set caption_dropout: 0"
+            )
 
     # ------------------------------------------------------------ variants
 
@@ -201,18 +219,39 @@ class QwenImage21(FlowFamily):
         # The VAE reads RGBA; an RGB image is opaque, as the pipeline's convert("RGBA") makes it.
         if pixels.shape[1] == 3:
             pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+        # The pipeline's pixels are channels-last (its preprocess permutes numpy's H×W×C), and
+        # the VAE's convolutions round by memory layout: encode in that layout.
+        hwc = pixels.permute(0, 2, 3, 1).clone(memory_format=torch.contiguous_format)
+        pixels = hwc.permute(0, 3, 1, 2)
         return super().encode_images(comps, pixels, generator)
 
-    def encode_text(self, comps, captions):
+    def encode_text(self, comps, captions, controls=None):
+        """The pipeline's `encode_prompt`, padded to the caption allowance (plus, with
+        `controls`, each caption's references' vision slots) with a zero mask. With `controls`
+        (per caption, its pair's references as placed) one caption at a time, its references
+        resized as the pipeline resizes them for the VL encoder."""
         pipe = self._text_pipeline(comps)
         device = pipe.text_encoder.device
-        embeds, mask, slots = pipe.encode_prompt(list(captions), device=device)
-        length = self.max_sequence_length()
+        if controls is None:
+            return self._padded(pipe.encode_prompt(list(captions), device=device), 0)
+        parts = []
+        for caption, images in zip(captions, controls, strict=True):
+            shown = [self.prompt_image(im) for im in images] or None
+            slots = sum((im.height // 32) * (im.width // 32) for im in shown or ())
+            parts.append(
+                self._padded(pipe.encode_prompt(caption, image=shown, device=device), slots)
+            )
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+    def _padded(self, encoded: tuple, slots: int) -> dict[str, torch.Tensor]:
+        embeds, mask, image_slots = encoded
+        length = self.max_sequence_length() + slots
         b, n, _ = embeds.shape
         if n > length:
             raise DataError(
-                f"a caption takes {n} tokens, more than max_sequence_length ({length}); the "
-                "pipeline cuts none, so shorten it or raise max_sequence_length"
+                f"a caption takes {n - slots} tokens, more than max_sequence_length "
+                f"({self.max_sequence_length()}); the pipeline cuts none, so shorten it or "
+                "raise max_sequence_length"
             )
         if mask is None:
             mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
@@ -220,8 +259,34 @@ class QwenImage21(FlowFamily):
         return {
             "prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
             "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
-            "image_pad_mask": torch.nn.functional.pad(slots, (0, pad)),
+            "image_pad_mask": torch.nn.functional.pad(image_slots, (0, pad)),
         }
+
+    def control_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the pipeline resizes a reference of this size to, for the VAE and
+        the VL encoder alike: ~1 MP in multiples of 32 (`calculate_dimensions`)."""
+        from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+        w, h, _ = calculate_dimensions(REFERENCE_AREA, width / height)
+        return w, h
+
+    def _image_processor(self) -> Any:
+        from diffusers.image_processor import VaeImageProcessor
+
+        return VaeImageProcessor(vae_scale_factor=VAE_FACTOR, vae_latent_channels=64)
+
+    def prompt_image(self, image: Any) -> Any:
+        """A reference as the pipeline hands it to the VL encoder: RGBA, resized (the encoder
+        composites it over white)."""
+        w, h = self.control_size(image.width, image.height)
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        return self._image_processor().resize(rgba, height=h, width=w)
+
+    def control_pixels(self, image: Any) -> torch.Tensor:
+        """A reference's RGBA pixels as the pipeline preprocesses it for the VAE."""
+        w, h = self.control_size(image.width, image.height)
+        rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+        return self._image_processor().preprocess(rgba, height=h, width=w)[0]
 
     def prompt_kwargs(self, text):
         # The call takes embeddings and their mask, never an image-pad mask: given embeddings
@@ -247,17 +312,42 @@ class QwenImage21(FlowFamily):
         return mu if scheduler_config.get("time_shift_type") == "linear" else math.exp(mu)
 
     def predict(self, comps, noisy, timesteps, cond):
+        keys = (f"control_latents_{r}" for r in range(self.control_images))
+        slots = cond["image_pad_mask"].bool()
+        references = self._read_with([cond[k] for k in keys if k in cond], int(slots[0].sum()))
+        if references and not bool((slots == slots[:1]).all()):
+            # The transformer reads one layout (row 0's) for the whole batch.
+            raise DataError(
+                "the captions of one batch place their references' slots differently (their "
+                "lengths differ): train batch_size 1 with references"
+            )
         kwargs = transformer_inputs(
             noisy,
             timesteps,
             cond["prompt_embeds"],
             cond["prompt_embeds_mask"],
             cond["image_pad_mask"],
+            references,
         )
         out = comps.denoiser(**kwargs, return_dict=False)[0]
         h, w = noisy.shape[-2:]
         # The pipeline keeps the target's tokens, the last h · w.
         return unpack(out[:, -h * w :], h, w)
+
+    @staticmethod
+    def _read_with(references: list[torch.Tensor], slots: int) -> list[torch.Tensor]:
+        """The references the prompt was encoded with, by its vision slots (one per 2×2 latent
+        tokens): the transformer takes a reference only where the VL encoder read it, as the
+        pipeline gives both or neither."""
+        total = 0
+        for n, r in enumerate([None, *references]):
+            total += 0 if r is None else r.shape[-2] * r.shape[-1] // 4
+            if total == slots:
+                return references[:n]
+        raise DataError(
+            f"the prompt holds {slots} reference slots, which its pair's references do not "
+            "fill; re-cache the text with its references"
+        )
 
     def swap_blocks(self, denoiser):
         return list(denoiser.transformer_blocks)
@@ -270,6 +360,8 @@ class QwenImage21(FlowFamily):
         kwargs["true_cfg_scale"] = kwargs.pop("guidance_scale")
         if kwargs["true_cfg_scale"] > 1:
             kwargs["negative_prompt"] = spec.negative_prompt or " "
+        if spec.control:
+            kwargs["image"] = list(spec.control)  # `sample` opens the files for the pipeline
         return kwargs
 
     # ------------------------------------------------------------ memory estimate
