@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,3 +298,39 @@ def test_edit_inputs_equal_the_pipelines(loaded, n, monkeypatch):
         family.predict(comps, latents, pipe.scheduler.timesteps[:1], cond)
     hook.remove()
     _assert_same(kit, seen[0])
+
+
+def test_an_image_with_transparency_trains_with_its_alpha_as_the_pipeline_encodes_it(tmp_path):
+    """The family declares an RGBA VAE (`image_alpha`): the cache keeps a transparent image's
+    alpha as a fourth channel, the pixels the pipeline's preprocess gives that image; an opaque
+    image stays RGB (the family fills its alpha, above); the bucket report names the images
+    that carry alpha."""
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    from kit.data.buckets import Placement
+    from kit.data.pixels import load_pixels
+    from kit.data.report import bucket_report
+
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rgba = Image.fromarray(rng.integers(0, 255, (128, 128, 4), dtype=np.uint8), "RGBA")
+    rgba.save(folder / "cutout.png")
+    Image.fromarray(rng.integers(0, 255, (128, 128, 3), dtype=np.uint8)).save(folder / "flat.png")
+    for name in ("cutout", "flat"):
+        (folder / f"{name}.txt").write_text("a zorbstar")
+    place = Placement(bucket=(128, 128), resized=(128, 128), crop=(0, 0), original=(128, 128))
+    ours = load_pixels(folder / "cutout.png", place, alpha=True)
+    theirs = VaeImageProcessor(vae_scale_factor=16, vae_latent_channels=64).preprocess(
+        Image.open(folder / "cutout.png"), 128, 128
+    )[0]
+    assert ours.shape == (4, 128, 128) and torch.allclose(ours, theirs, atol=1e-6)
+    assert load_pixels(folder / "flat.png", place, alpha=True).shape == (3, 128, 128)
+    # A family without an RGBA VAE lays the alpha on the background, as before.
+    assert load_pixels(folder / "cutout.png", place).shape == (3, 128, 128)
+    cfg = Config().replace(
+        model_family="qwen_image21", image_dir=str(folder), resolution=128, train_batch_size=1
+    )
+    rows = bucket_report(cfg)["buckets"]
+    assert [Path(f).name for r in rows for f in r["alpha"]] == ["cutout.png"]

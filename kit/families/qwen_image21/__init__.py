@@ -12,4 +12,5 @@ FACTS = FamilyInfo(
     native_resolution=1024,
     hub_id="Qwen/Qwen-Image-2.1",
     control_images=10,
+    image_alpha=True,
 )

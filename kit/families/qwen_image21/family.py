@@ -129,6 +129,7 @@ class QwenImage21(FlowFamily):
     # prompt is encoded with its pair's references (the VL encoder reads them).
     control_images = 10
     prompt_controls = True
+    image_alpha = True  # the VAE reads RGBA
 
     parts = (
         denoiser("QwenImage21Transformer2DModel"),
