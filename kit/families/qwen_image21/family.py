@@ -19,6 +19,11 @@ pipeline's `convert("RGBA")` gives it.
 
 Which release a base is comes from its `model_index.json`: the Turbo checkpoint ships its
 sampling grid as `sample_sigmas` (diffusers' modular pipeline tells the two apart the same way).
+
+Exports: the diffusers file only, for now. ComfyUI has the model (Comfy-Org/ComfyUI,
+`comfy/ldm/qwen_image21/model.py` at 08f68f09: diffusers' module names, but the SwiGLU fused as
+`img_mlp.gate_up` = [gate_layer; proj]); a file in its layout is not written until it is
+verified by its loading rules.
 """
 
 from __future__ import annotations
