@@ -334,3 +334,46 @@ def test_an_image_with_transparency_trains_with_its_alpha_as_the_pipeline_encode
     )
     rows = bucket_report(cfg)["buckets"]
     assert [Path(f).name for r in rows for f in r["alpha"]] == ["cutout.png"]
+
+
+@pytest.mark.slow
+def test_edit_pairs_with_transparency_train_and_draw_their_validation_image(
+    tiny21, family_dataset, tmp_path, monkeypatch
+):
+    """A 2-step LoRA run on pairs (each target with a reference), one target with transparency
+    (kept as its alpha channel): the cache encodes them, it trains and draws its validation
+    image with a reference."""
+    from PIL import Image
+
+    from kit.config import load_config
+    from kit.families.qwen_image21 import family as module
+    from kit.train.loop import train
+    from tests.conftest import paired_controls, write_run_config
+
+    monkeypatch.setattr(module, "REFERENCE_AREA", 64 * 64)  # the tiny run's references stay small
+
+    data = tmp_path / "data"
+    shutil.copytree(family_dataset("qwen_image21"), data)
+    first = sorted(data.glob("*.png"))[0]
+    image = Image.open(first).convert("RGBA")
+    alpha = np.full((image.height, image.width), 255, dtype=np.uint8)
+    alpha[: image.height // 2] = 0
+    image.putalpha(Image.fromarray(alpha))
+    image.save(first)
+    controls = paired_controls(data)
+    reference = sorted(controls.glob("*.png"))[0]
+    config = write_run_config(
+        tmp_path / "config.json",
+        base=tiny21,
+        data=data,
+        family="qwen_image21",
+        control_dir=str(controls),
+        train_batch_size=1,
+        max_train_steps=2,
+        checkpointing_steps=2,
+        validation_prompt=[],
+        validation_prompts=[{"prompt": "a red zorbstar", "control": [str(reference)]}],
+    )
+    train(load_config(config))
+    drawn = list((tmp_path / "run").rglob("*.png"))
+    assert drawn, "no validation image"
