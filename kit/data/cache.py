@@ -428,7 +428,7 @@ def _encode_missing(
     for i, raw in tqdm(reads, "cache latents", len(todo), unit="img", disable=not show or not todo):
         s, p, f = data.samples[i], data.plan.placements[i], data.latent_files[i]
         try:
-            pixels = sample_pixels(s, p, seen[s.dataset].data, raw)
+            pixels = sample_pixels(s, p, seen[s.dataset].data, raw, family.image_alpha)
             mask = bucket_mask(data.masks[i], p) if data.masks else None
         except BadImage as e:  # a file whose header read fine but whose pixels do not
             bad[i] = str(e)

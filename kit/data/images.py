@@ -92,22 +92,24 @@ def open_rgb(
     path: str | Path | BinaryIO,
     background: str | tuple[int, int, int] = "white",
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    keep_alpha: bool = False,
 ) -> Image.Image:
-    """The decoded image, upright, as 8-bit RGB with transparency laid on `background`."""
+    """The decoded image, upright, as 8-bit RGB with transparency laid on `background`; with
+    `keep_alpha`, an image with transparency as 8-bit RGBA instead."""
     bg = parse_color(background) if isinstance(background, str) else tuple(background)
     with _open_header(path, max_pixels) as im:
         try:
             im.load()
             im = ImageOps.exif_transpose(im)
-            return _to_rgb(im, bg)
+            return _to_rgb(im, bg, keep_alpha)
         except BadImage:
             raise
         except _DECODE_ERRORS as e:
             raise BadImage(f"cannot decode the pixels: {e or type(e).__name__}") from None
 
 
-def _to_rgb(im: Image.Image, bg: tuple[int, int, int]) -> Image.Image:
-    """Any Pillow mode as 8-bit RGB."""
+def _to_rgb(im: Image.Image, bg: tuple[int, int, int], keep_alpha: bool = False) -> Image.Image:
+    """Any Pillow mode as 8-bit RGB (RGBA where it has transparency and `keep_alpha`)."""
     if im.mode == "P":
         # A palette may mark one entry (or many, via an alpha palette) as transparent.
         im = im.convert("RGBA" if "transparency" in im.info or im.palette.mode == "RGBA" else "RGB")
@@ -117,6 +119,8 @@ def _to_rgb(im: Image.Image, bg: tuple[int, int, int]) -> Image.Image:
         im = _to_8bit(im)
     if im.mode in _ALPHA_MODES:
         rgba = im.convert("RGBA")
+        if keep_alpha:
+            return rgba
         base = Image.new("RGBA", rgba.size, (*bg, 255))
         return Image.alpha_composite(base, rgba).convert("RGB")
     if im.mode == "RGB":

@@ -24,14 +24,20 @@ if TYPE_CHECKING:
 
 
 def sample_pixels(
-    sample: Sample, placement: Placement, cfg: DataConfig, data: bytes | None = None
+    sample: Sample,
+    placement: Placement,
+    cfg: DataConfig,
+    data: bytes | None = None,
+    alpha: bool = False,
 ) -> torch.Tensor:
     """The pixels that are encoded for a sample: fitted to its bucket, mirrored if placed so.
 
     `data`: the sample's bytes when already read (a shard read front to back), else its blob is
-    read now."""
+    read now. `alpha` (a family whose VAE reads RGBA): an image with transparency keeps it as
+    a fourth channel."""
     if sample.blob is None:
-        return load_pixels(sample.image, placement, cfg.alpha_background, cfg.max_image_pixels)
+        bg, limit = cfg.alpha_background, cfg.max_image_pixels
+        return load_pixels(sample.image, placement, bg, limit, alpha)
     if placement.frames:  # a shard's video member: read by the same reader, from a copy
         import torch
 
@@ -44,7 +50,7 @@ def sample_pixels(
         return torch.stack([_fit(f, placement) for f in frames], dim=1)
     try:
         raw = io.BytesIO(data) if data is not None else sample.blob.open()
-        im = open_rgb(raw, cfg.alpha_background, cfg.max_image_pixels)
+        im = open_rgb(raw, cfg.alpha_background, cfg.max_image_pixels, alpha)
     except BadImage as e:
         raise BadImage(f"unreadable image {sample.blob.name}: {e}") from None
     except OSError as e:  # the store refused or lost the read (after its own retries)
@@ -81,11 +87,13 @@ def load_pixels(
     placement: Placement,
     background: str = "white",
     max_pixels: int = DEFAULT_MAX_PIXELS,
+    alpha: bool = False,
 ) -> torch.Tensor:
     """The image fitted to its bucket (mirrored if placed so), (3, H, W) in [-1, 1]; a clip's
     frames, (3, F, H, W).
 
-    An image that cannot be decoded raises `BadImage`; `background` fills transparent parts.
+    An image that cannot be decoded raises `BadImage`; `background` fills transparent parts,
+    unless `alpha` keeps them: (4, H, W), the alpha channel last.
     """
     import torch  # here, not at the top: a bucket report imports this module without torch
 
@@ -93,7 +101,7 @@ def load_pixels(
         frames = video.read_frames(path, placement.frames)
         return torch.stack([_fit(f, placement) for f in frames], dim=1)
     try:
-        im = open_rgb(path, background, max_pixels)
+        im = open_rgb(path, background, max_pixels, alpha)
     except BadImage as e:
         raise BadImage(f"unreadable image {path}: {e}") from None
     return _fit(im, placement)
@@ -111,7 +119,7 @@ def fit_to_bucket(im: Image.Image, placement: Placement) -> Image.Image:
 
 
 def _fit(im: Image.Image, placement: Placement) -> torch.Tensor:
-    """Resize (and mirror) one picture, then crop it to its bucket: (3, H, W) in [-1, 1].
+    """Resize (and mirror) one picture, then crop it to its bucket: (C, H, W) in [-1, 1].
 
     Mirrored before the crop, so the recorded crop is the offset in the pixels trained on.
     """

@@ -10,7 +10,7 @@ from typing import Any
 from kit.config import Config
 from kit.data.buckets import epoch_batches, group_name, plan_dataset
 from kit.data.datasets import views
-from kit.data.masks import masked, plan_masks
+from kit.data.masks import has_alpha, masked, plan_masks
 from kit.data.pairs import controls_of, resized_control, unpaired
 from kit.data.scan import check_dataset
 from kit.data.sound import sound_counts
@@ -59,6 +59,8 @@ def bucket_report(cfg: Config, num_processes: int = 1) -> dict[str, Any]:
                 ]
                 for i in idx
             ]
+        if family.image_alpha:  # a VAE that reads RGBA: which images train with their alpha
+            row["alpha"] = [_shown(samples[i]) for i in idx if _carries_alpha(samples[i])]
         if video:  # a clip's windows are samples of their own: `count` counts windows
             row["clips"] = len({samples[i].image for i in idx if samples[i].clip})
         buckets.append(row)
@@ -102,6 +104,13 @@ def _control_sizer(cfg: Config, family: Any) -> Any:
 
 def _wxh(size: tuple[int, int]) -> str:
     return f"{size[0]}x{size[1]}"
+
+
+def _carries_alpha(sample: Any) -> bool:
+    """Whether a still image carries transparency (its header; a source's member is opened)."""
+    if sample.clip:
+        return False
+    return has_alpha(sample.blob.open() if sample.blob is not None else sample.image)
 
 
 def _shown(sample: Any) -> str:

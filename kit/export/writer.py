@@ -336,8 +336,11 @@ def verify_export(
     diffs = []
     for spec, png in refs:
         # With the sampler the sidecar names, built from the plain pipeline's own scheduler.
-        ours = np.asarray(frame_strip(draw(family, pipe, spec)[0]), dtype=np.int16)
-        theirs = np.asarray(Image.open(png).convert("RGB"), dtype=np.int16)
+        # In the saved image's mode: a pipeline whose VAE decodes alpha draws RGBA.
+        saved = Image.open(png)
+        mode = "RGBA" if saved.mode == "RGBA" else "RGB"
+        ours = np.asarray(frame_strip(draw(family, pipe, spec)[0]).convert(mode), dtype=np.int16)
+        theirs = np.asarray(saved.convert(mode), dtype=np.int16)
         diffs.append(np.abs(ours - theirs))
     max_diff = int(max(d.max() for d in diffs))
     mean_diff = float(np.mean([d.mean() for d in diffs]))

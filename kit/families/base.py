@@ -118,6 +118,10 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
     default_num_inference_steps: int = 25
     """Validation sampler steps when the config sets none; families whose pipeline draws
     with fewer by default (step-distilled bases) say so here."""
+    image_alpha: bool = False
+    """Whether the VAE reads RGBA: the cache hands `encode_images` an image with transparency as
+    (4, H, W), its alpha kept; an opaque one stays (3, H, W), which the family fills as its
+    pipeline does."""
     control_images: int = 0
     """How many control (reference) images a training pair may have: 0 for a family that
     takes none (a dataset with `control_dir` is refused), else the most its pipeline takes."""

@@ -19,6 +19,7 @@ class FamilyFacts(Protocol):
     hub_id: str
     video: bool
     audio: bool
+    image_alpha: bool
     control_images: int
     needs_control: bool
 
@@ -49,6 +50,10 @@ class FamilyInfo:
     audio: bool = False
     """True when the family trains on a clip's sound too (LTX-2): the data path reads each video
     file's audio track for the frames it takes and hands it to the family's `encode_sound`."""
+    image_alpha: bool = False
+    """True when the family's VAE reads RGBA (the class's `image_alpha`): an image with
+    transparency trains with its alpha channel, not laid on `alpha_background`, and the bucket
+    report names the images that carry one."""
     frame_stride: int = 1
     """A clip's frame count is `frame_stride · k + 1`: a VAE that compresses time by 4 (Wan)
     takes 4k+1 frames; 1 accepts any count."""

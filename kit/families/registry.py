@@ -49,7 +49,7 @@ FAMILIES: dict[str, FamilyInfo] = _discover()
 
 DEFAULT_BASES.update({name: info.hub_id for name, info in FAMILIES.items()})
 
-CHECKED = ("bucket_step", "native_resolution", "hub_id", "video", "audio")
+CHECKED = ("bucket_step", "native_resolution", "hub_id", "video", "audio", "image_alpha")
 """The facts `register` compares between a class and its entry in `FAMILIES`."""
 
 _CLASSES: dict[str, type[Family]] = {}

@@ -160,6 +160,30 @@ class Autocast(TorchFunctionMode):
 # ---------------------------------------------------------------- live bytes
 
 
+_INDEXING = (
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+)
+
+
+def _on_meta(func: Any, args: Any, kwargs: dict) -> tuple[Any, dict]:
+    """A layout mask a family gives on the CPU (its values decide shapes, which meta tensors
+    cannot) joins meta tensors on the meta device; as an index it stays on the CPU, which meta
+    tensors accept."""
+    leaves, tree_map = torch.utils._pytree.tree_leaves, torch.utils._pytree.tree_map
+    tensors = [a for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    if func in _INDEXING or not any(t.is_meta for t in tensors):
+        return args, kwargs
+
+    def lift(a: Any) -> Any:
+        cpu = isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.ndim > 0
+        return a.to("meta") if cpu else a
+
+    return tree_map(lift, (args, kwargs))
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of every tensor storage created inside, until it is freed."""
 
@@ -173,7 +197,8 @@ class LiveBytes(TorchDispatchMode):
         self.at_peak: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        args, kwargs = _on_meta(func, args, kwargs or {})
+        out = func(*args, **kwargs)
         leaves = torch.utils._pytree.tree_leaves
         # Views and in-place results share an input's storage: nothing new is allocated.
         inputs = {
