@@ -1,0 +1,155 @@
+"""FLUX.3 klein specifics the contract suite does not see: the transformer inputs the kit builds
+equal, tensor for tensor, those diffusers' modular FLUX.3 blocks build at sampling (base and
+step-distilled, with and without reference images); the σ shift is the blocks'; the variant and
+step distillation are read from the transformer's config; LoRA loads back through the FLUX.3
+loader on the modular pipeline."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from PIL import Image
+
+from kit.config import Config
+from kit.families import get_family
+from kit.families.flux2.family import patchify
+from kit.families.flux3 import family as flux3
+from tests.conftest import lora_loads_exactly
+
+CAPTION = "a small red circle on a blue background"
+SIDE = 64  # pixels: an 8×8 latent, 4×4 patches
+
+
+@pytest.fixture(scope="module")
+def tiny_base3(tiny_base):
+    return tiny_base("flux3")
+
+
+@pytest.fixture(scope="module")
+def tiny_distilled(tmp_path_factory):
+    """A tiny step-distilled klein (a flow-map transformer), beside the session's base."""
+    return get_family("flux3").make_tiny(tmp_path_factory.mktemp("klein") / "base", distilled=True)
+
+
+def _family(path, **changes):
+    return get_family(
+        "flux3", Config().replace(model_family="flux3", pretrained_model=str(path), **changes)
+    )
+
+
+def _spy(module: torch.nn.Module) -> list[dict]:
+    """Record every forward's keyword arguments and output on `module`."""
+    calls: list[dict] = []
+    forward = module.forward
+
+    @functools.wraps(forward)  # the blocks pass what the forward's signature names
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append({**kwargs, "out": out[0]})
+        return out
+
+    module.forward = recording
+    return calls
+
+
+def _reference(seed: int, size: tuple[int, int]) -> Image.Image:
+    pixels = torch.randint(
+        0, 256, (size[1], size[0], 3), generator=torch.Generator().manual_seed(seed)
+    )
+    return Image.fromarray(pixels.numpy().astype("uint8"))
+
+
+@pytest.mark.parametrize(
+    ("which", "references"), [("base", 0), ("distilled", 0), ("base", 1), ("distilled", 2)]
+)
+def test_training_inputs_are_the_pipelines_inputs(which, references, tiny_base3, tiny_distilled):
+    path = tiny_base3 if which == "base" else tiny_distilled
+    control = ["c"] * references
+    family = _family(path, max_sequence_length=32, control_dir=control)
+    comps = family.load(str(path))
+    latents = torch.randn(1, comps.vae.config.latent_channels, SIDE // 8, SIDE // 8)
+    images = [_reference(i, (SIDE + 16 * i, SIDE)) for i in range(references)]
+    calls = _spy(comps.denoiser)
+    pipe = family.pipeline(comps)
+    kwargs = {"image": images} if images else {}
+    with torch.no_grad():
+        pipe(
+            prompt=CAPTION,
+            latents=patchify(latents),  # the blocks take patchified noise
+            height=SIDE,
+            width=SIDE,
+            num_inference_steps=2,
+            max_sequence_length=32,
+            output="latents",
+            **kwargs,
+        )
+        seen = calls[0]  # the first step (the base's conditional half of CFG)
+        assert len(calls) == (4 if which == "base" else 2)
+        step = pipe.scheduler.timesteps[:1]
+        cond = family.encode_text(comps, [CAPTION])
+        for i, image in enumerate(images):
+            pixels = family.control_pixels(image)[None]
+            cond[f"control_latents_{i}"] = family.encode_images(comps, pixels)
+        pred = family.predict(comps, latents, step, cond)
+    ours = calls[-1]
+    keys = ["hidden_states", "timestep", "encoder_hidden_states", "txt_ids", "img_ids"]
+    keys += ["target_timestep"] if which == "distilled" else []
+    keys += ["image_cond_hidden_states", "image_cond_ids"] if references else []
+    assert set(ours) - {"out", "return_dict"} == set(keys)
+    assert set(seen) - {"out", "return_dict", "attention_kwargs"} == set(keys)
+    for key in keys:
+        # A flow map is asked for the velocity at σ itself (the flow-matching loss's target),
+        # not for the jump to the blocks' next step: its target time is the pipeline's time.
+        want = seen["timestep"] if key == "target_timestep" else seen[key]
+        assert ours[key].dtype == want.dtype, key
+        assert torch.equal(ours[key], want), key
+    out = seen["out"] if which == "base" else ours["out"]  # the same inputs: the same output
+    assert torch.equal(pred, flux3.untokens(out, SIDE // 8, SIDE // 8))
+
+
+def test_shift_is_the_pipelines(tiny_base3):
+    """The σ the base blocks draw with at their default 50 steps are the kit's shift applied to
+    their unshifted σ."""
+    family = _family(tiny_base3, max_sequence_length=8)
+    comps = family.load(str(tiny_base3))
+    calls = _spy(comps.denoiser)
+    with torch.no_grad():
+        family.pipeline(comps)(
+            prompt=CAPTION, height=SIDE, width=SIDE, max_sequence_length=8, output="latents"
+        )
+    drawn = torch.stack([c["timestep"][0] for c in calls[::2]])
+    assert len(drawn) == family.default_num_inference_steps == 50
+    sigmas = torch.linspace(1.0, 1 / 50, 50, dtype=torch.float64)
+    shift = family.flow_shift(comps.noise_scheduler.config, SIDE // 8, SIDE // 8)
+    assert shift == pytest.approx(6.93)
+    expected = shift * sigmas / (1 + (shift - 1) * sigmas)
+    torch.testing.assert_close(drawn.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_variants_and_distillation_come_from_the_configs(tiny_base3, tiny_distilled):
+    base, distilled = _family(tiny_base3), _family(tiny_distilled)
+    assert base.variant_of(str(tiny_base3)) == "klein base"
+    assert distilled.variant_of(str(tiny_distilled)) == "klein"
+    assert base.distillation(str(tiny_base3)) == ""
+    assert "flow_map" in distilled.distillation(str(tiny_distilled))
+    assert (base.default_num_inference_steps, base.default_guidance_scale) == (50, 3.5)
+    assert (distilled.default_num_inference_steps, distilled.default_guidance_scale) == (16, 1.0)
+    shipped = _family(flux3.Flux3.hub_id)
+    assert shipped.variant_of("black-forest-labs/flux-3-image-klein") == "klein"
+    assert shipped.variant_of(flux3.Flux3.hub_id) == "klein base"
+
+
+def test_lora_loads_through_the_flux3_loader(tiny_base3, tmp_path):
+    from kit.methods import get_method
+
+    cfg = Config().replace(model_family="flux3", pretrained_model=str(tiny_base3), lora_rank=2)
+    family = get_family("flux3", cfg)
+    comps = family.load(str(tiny_base3))
+    summary = get_method(cfg, family).attach(comps)
+    for target in family.default_lora_targets:
+        assert any(m.endswith(target) for m in summary.modules), target
+    fresh = family.load(str(tiny_base3))
+    pipe = family.pipeline(fresh)
+    lora_loads_exactly(family, comps, pipe, tmp_path)
