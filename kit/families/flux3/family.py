@@ -15,6 +15,7 @@ config: `flow_map` marks the step-distilled klein.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -296,18 +297,22 @@ class Flux3(FlowFamily):
     # ------------------------------------------------------------ sampling
 
     def build_pipeline(self, comps, cls=None, text_only=False, **extra):
-        # The blocks of this model (base or distilled), the prompt upsampler left out so that
-        # prompts are encoded as written, over the loaded parts.
+        # The blocks of this model (base or distilled) over the loaded parts, without the
+        # prompt upsampler (prompts are encoded as written); without a text encoder (drawing
+        # from cached embeddings), without the text step too: the blocks take the embeddings.
         import diffusers
 
         distilled = bool(comps.denoiser is not None and comps.denoiser.config.flow_map)
         blocks = (diffusers.Flux3DistilledAutoBlocks if distilled else diffusers.Flux3AutoBlocks)()
         blocks.sub_blocks.pop("prompt_upsampler")
+        encoder = comps.text_encoders[0] if comps.text_encoders else None
+        if encoder is None:
+            blocks.sub_blocks.pop("text_encoder")
         pipe = blocks.init_pipeline()
         parts = {
             "transformer": comps.denoiser,
             "vae": comps.vae,
-            "text_encoder": comps.text_encoders[0] if comps.text_encoders else None,
+            "text_encoder": encoder,
             "tokenizer": TextProcessor(comps.tokenizers[0]) if comps.tokenizers else None,
             "scheduler": type(comps.noise_scheduler).from_config(comps.noise_scheduler.config),
         }
@@ -315,24 +320,27 @@ class Flux3(FlowFamily):
         return pipe
 
     def call_kwargs(self, spec):
-        kwargs = super().call_kwargs(spec)
+        kwargs = {**super().call_kwargs(spec), "output": "images"}  # the blocks' images alone
         if spec.control:
             kwargs["image"] = list(spec.control)
-        if self._configured() == BASE:
+        if self._configured() == BASE:  # the base's CFG draws against the negative prompt
             kwargs["negative_prompt"] = spec.negative_prompt
         return kwargs
 
     def sample(self, pipe, spec):
-        # The blocks take their CFG scale as the guider's setting, and return the images.
+        # The blocks take their CFG scale as the guider's setting and return the images. They
+        # warn of the inputs no block reads (the scale; the text settings where embeddings are
+        # given): those are recorded with the call, and ignored as they should be.
         from diffusers import ClassifierFreeGuidance
 
         kwargs = self.pipeline_call(spec)
-        scale = kwargs.pop("guidance_scale")
         if "guider" in pipe.components:
-            pipe.update_components(guider=ClassifierFreeGuidance(guidance_scale=scale))
+            guider = ClassifierFreeGuidance(guidance_scale=kwargs["guidance_scale"])
+            pipe.update_components(guider=guider)
         generator = torch.Generator(spec.generator_device).manual_seed(spec.seed)
-        with torch.no_grad():
-            images = pipe(**kwargs, generator=generator, output="images")
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Unexpected input", UserWarning)
+            images = pipe(**kwargs, generator=generator)
         return [images[0]]
 
     # ------------------------------------------------------------ memory estimate
