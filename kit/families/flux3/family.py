@@ -296,6 +296,14 @@ class Flux3(FlowFamily):
 
     # ------------------------------------------------------------ sampling
 
+    def base_pipeline(self, dtype=torch.float32):
+        # The blocks over the base's parts, each read by its own class's `from_pretrained`: a
+        # modular pipeline's `from_pretrained` leaves its components to `load_components`,
+        # whose `tokenizer` spec (a Qwen3-VL processor) needs torchvision for its video half.
+        m = self.cfg.model
+        comps = self.load(m.pretrained_model, revision=m.revision, variant=m.variant, dtype=dtype)
+        return self.build_pipeline(comps)
+
     def build_pipeline(self, comps, cls=None, text_only=False, **extra):
         # The blocks of this model (base or distilled) over the loaded parts, without the
         # prompt upsampler (prompts are encoded as written); without a text encoder (drawing

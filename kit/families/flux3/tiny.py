@@ -105,6 +105,8 @@ def make(out_dir: str | Path, seed: int = 0, distilled: bool = False) -> Path:
         for name, part in parts.items():
             part.save_pretrained(Path(tmp_dir) / name)
         (Path(tmp_dir) / "model_index.json").write_text(json.dumps(model_index(parts)), "utf-8")
+        modular = modular_index(parts, distilled)
+        (Path(tmp_dir) / "modular_model_index.json").write_text(json.dumps(modular), "utf-8")
     return Path(out_dir)
 
 
@@ -114,4 +116,20 @@ def model_index(parts: dict[str, Any]) -> dict[str, Any]:
     for name, part in parts.items():
         library = type(part).__module__.split(".")[0]
         index[name] = [library, type(part).__name__]
+    return index
+
+
+def modular_index(parts: dict[str, Any], distilled: bool) -> dict[str, Any]:
+    """The modular pipeline's index (`modular_model_index.json`, as `save_pretrained` writes
+    it): the blocks and pipeline class of the model, and each part's subfolder."""
+    index: dict[str, Any] = {
+        "_blocks_class_name": "Flux3DistilledAutoBlocks" if distilled else "Flux3AutoBlocks",
+        "_class_name": "Flux3DistilledModularPipeline" if distilled else "Flux3ModularPipeline",
+    }
+    for name, part in parts.items():
+        if name == "scheduler":  # the blocks make their scheduler from its config
+            continue
+        library, cls = type(part).__module__.split(".")[0], type(part).__name__
+        spec = {"pretrained_model_name_or_path": None, "revision": None, "subfolder": name}
+        index[name] = [library, cls, {**spec, "type_hint": [library, cls], "variant": None}]
     return index
