@@ -144,6 +144,10 @@ class Flux3(FlowFamily):
     modelspec_implementation = "https://github.com/black-forest-labs/flux-3-image-klein"
     # No client but diffusers reads FLUX.3 adapters yet (layout.py says which were looked at).
     export_formats = ("diffusers",)
+    full_refusal = (
+        "its export is a whole pipeline folder, which diffusers' modular FLUX.3 pipeline saves "
+        "without its tokenizer (a Qwen3-VL processor) and loads without its parts"
+    )
     control_images = 10  # the prompt upsampler's "at most 10" references of an edit
     needs_control = False
 
