@@ -177,7 +177,11 @@ class Flux3(FlowFamily):
 
     def variant_of(self, pretrained: str) -> str:
         source = config_source(self.model_source(pretrained))
-        return DISTILLED if part_config(source, "transformer").get("flow_map") else BASE
+        try:
+            return DISTILLED if part_config(source, "transformer").get("flow_map") else BASE
+        except Exception:  # noqa: BLE001 - no transformer config to read here: its name
+            name = str(pretrained).lower()
+            return DISTILLED if "klein" in name and "base" not in name else BASE
 
     def distillation(self, pretrained: str) -> str:
         if self.variant_of(pretrained) != DISTILLED:
