@@ -7,6 +7,7 @@ loader on the modular pipeline."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -153,3 +154,68 @@ def test_lora_loads_through_the_flux3_loader(tiny_base3, tmp_path):
     fresh = family.load(str(tiny_base3))
     pipe = family.pipeline(fresh)
     lora_loads_exactly(family, comps, pipe, tmp_path)
+
+
+def test_distilled_is_warned_about_and_takes_a_training_adapter(tiny_distilled, tmp_path):
+    """The step-distilled klein without an adapter is warned about; a de-distilling LoRA is
+    read by the FLUX.3 loader into the denoiser (and the denoiser left plain)."""
+    from safetensors.torch import save_file
+
+    from kit.families.training_adapter import read_training_adapter
+    from kit.train.prepare import _training_adapter
+
+    family = _family(tiny_distilled)
+    said: list[str] = []
+    assert _training_adapter(family.cfg, family, None, said.append) is None
+    assert said[0].startswith("warning: FLUX.3 klein is step-distilled")
+    comps = family.load(str(tiny_distilled), parts=("denoiser",))
+    g = torch.Generator().manual_seed(0)
+    module = "single_transformer_blocks.0.attn.to_q"
+    file = {
+        f"transformer.{module}.lora_A.weight": torch.randn(2, 32, generator=g),
+        f"transformer.{module}.lora_B.weight": torch.randn(32, 2, generator=g),
+    }
+    save_file(file, str(tmp_path / "dedistill.safetensors"))
+    adapter = read_training_adapter(family, comps.denoiser, str(tmp_path / "dedistill.safetensors"))
+    down, up, scale = adapter.layers[module]
+    assert torch.equal(down, file[f"transformer.{module}.lora_A.weight"]) and scale == 1.0
+    assert torch.equal(up, file[f"transformer.{module}.lora_B.weight"])
+    assert not any("lora" in n for n, _ in comps.denoiser.named_parameters())
+
+
+@pytest.mark.slow
+def test_distilled_trains_two_steps_under_its_adapter_and_exports(
+    tiny_distilled, family_dataset, tmp_path
+):
+    """A 2-step LoRA run on the tiny distilled klein with a de-distilling adapter: validation
+    draws at the distilled blocks' own settings (16 steps, no CFG), and the diffusers export
+    holds the trained LoRA alone and redraws through the blocks."""
+    from safetensors.torch import load_file, save_file
+
+    from kit.config import load_config
+    from kit.export.writer import export
+    from kit.train.loop import train
+    from tests.conftest import write_run_config
+
+    g = torch.Generator().manual_seed(0)
+    adapter = tmp_path / "dedistill.safetensors"
+    # On the target-time embedder, which the trained LoRA leaves alone: not in the export.
+    module = "transformer.target_timestep_embedder.linear_1"
+    save_file({f"{module}.lora_A.weight": torch.randn(2, 32, generator=g),
+               f"{module}.lora_B.weight": torch.randn(32, 2, generator=g) * 0.1},
+              str(adapter))  # fmt: skip
+    path = write_run_config(
+        tmp_path / "c.json", base=tiny_distilled, data=family_dataset("flux3"), family="flux3",
+        max_train_steps=2, checkpointing_steps=2, validation_steps=2, max_sequence_length=32,
+        training_adapter=str(adapter), validation_guidance_scale=None,
+        validation_num_inference_steps=0,
+    )  # fmt: skip
+    assert train(load_config(path)).step == 2
+    step = tmp_path / "run/validation/step-000002"
+    for grid in (step, step / "with-training-adapter"):  # what the export draws, and in training
+        call = json.loads(next(grid.glob("*_seed*.json")).read_text())["call_kwargs"]
+        assert (call["guidance_scale"], call["num_inference_steps"]) == (1.0, 16)
+        assert "negative_prompt" not in call and (grid / "grid.png").is_file()
+    result = export(tmp_path / "run", "diffusers")
+    assert result.verification.passed, result.verification
+    assert not any("target_timestep" in k for k in load_file(str(result.path)))
