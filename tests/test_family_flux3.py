@@ -219,3 +219,16 @@ def test_distilled_trains_two_steps_under_its_adapter_and_exports(
     result = export(tmp_path / "run", "diffusers")
     assert result.verification.passed, result.verification
     assert not any("target_timestep" in k for k in load_file(str(result.path)))
+
+
+def test_only_diffusers_reads_its_adapters():
+    """ComfyUI has no FLUX.3 model at the commit the layout names: the family writes the
+    diffusers file alone, and says that ComfyUI loads no file of the run."""
+    from kit.export.writer import Verification, use_in
+    from kit.families.flux3 import layout
+
+    family = _family(flux3.Flux3.hub_id)
+    assert family.export_formats == ("diffusers",) and len(layout.COMFYUI_CHECKED) == 40
+    said = use_in("diffusers", Verification(1, 0, 0.0, True), family.export_formats, family)
+    assert said[0].startswith("diffusers (pipe.load_lora_weights")
+    assert "ComfyUI" in said[1] and "no file of this run loads there" in said[1]

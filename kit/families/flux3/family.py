@@ -25,6 +25,7 @@ from kit.families import register
 from kit.families.base import posterior_latent
 from kit.families.flow import FlowFamily
 from kit.families.flux2.family import bn_stats, patchify, unpatchify
+from kit.families.flux3 import layout as flux3_layout
 from kit.families.flux3 import tiny as flux3_tiny
 from kit.families.identity import part_config
 from kit.families.parts import denoiser, scheduler, text, vae
@@ -142,8 +143,8 @@ class Flux3(FlowFamily):
     base_model_version = "flux3"
     modelspec_architecture = "flux-3-klein-base"
     modelspec_implementation = "https://github.com/black-forest-labs/flux-3-image-klein"
-    # No client but diffusers reads FLUX.3 adapters yet (layout.py says which were looked at).
-    export_formats = ("diffusers",)
+    # No client but diffusers reads FLUX.3 adapters yet (layout.py names the ComfyUI checked).
+    export_formats = flux3_layout.CLIENTS
     full_refusal = (
         "its export is a whole pipeline folder, which diffusers' modular FLUX.3 pipeline saves "
         "without its tokenizer (a Qwen3-VL processor) and loads without its parts"
