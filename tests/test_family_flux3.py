@@ -232,3 +232,22 @@ def test_only_diffusers_reads_its_adapters():
     said = use_in("diffusers", Verification(1, 0, 0.0, True), family.export_formats, family)
     assert said[0].startswith("diffusers (pipe.load_lora_weights")
     assert "ComfyUI" in said[1] and "no file of this run loads there" in said[1]
+
+
+def test_estimate_answers_for_the_hub_id_offline(tmp_path, monkeypatch, capsys):
+    """`kit estimate` at 1024 px for the default hub id: the shipped configs, no download."""
+    from kit.cli import main
+    from kit.preflight import estimate as estimating
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("KIT_VRAM_CACHE", str(tmp_path / "vram"))
+    estimating.forget_traces()
+    path = tmp_path / "flux3.json"
+    path.write_text(json.dumps({"model_family": "flux3", "pretrained_model": flux3.Flux3.hub_id,
+                                "resolution": 1024, "mixed_precision": "bf16"}))  # fmt: skip
+    assert main(["estimate", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # 5.54B parameters in bf16, and the activations of a 4096-token image with 512 text tokens.
+    assert abs(out["components"]["denoiser_weights"] / (5.538e9 * 2) - 1) < 0.01
+    assert out["components"]["activations"] > 0
+    estimating.forget_traces()
