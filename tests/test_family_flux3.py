@@ -251,3 +251,21 @@ def test_estimate_answers_for_the_hub_id_offline(tmp_path, monkeypatch, capsys):
     assert abs(out["components"]["denoiser_weights"] / (5.538e9 * 2) - 1) < 0.01
     assert out["components"]["activations"] > 0
     estimating.forget_traces()
+
+
+def test_a_processor_folders_chat_template_is_found(tiny_base3, tmp_path):
+    """The release's `tokenizer/` is a Qwen3-VL processor whose template may sit in the
+    processor's own `chat_template.json`, which a tokenizer does not read."""
+    import shutil
+
+    copy = tmp_path / "base"
+    shutil.copytree(tiny_base3, copy)
+    folder = copy / "tokenizer"
+    template = _family(tiny_base3).load_tokenizers(str(tiny_base3))["text_encoder"].chat_template
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    loaded = _family(copy).load_tokenizers(str(copy))["text_encoder"]
+    assert template and loaded.chat_template == template

@@ -24,7 +24,7 @@ from kit.errors import ConfigError
 from kit.families import register
 from kit.families.base import posterior_latent
 from kit.families.flow import FlowFamily
-from kit.families.flux2.family import bn_stats, patchify, unpatchify
+from kit.families.flux2.family import bn_stats, patchify, processor_chat_template, unpatchify
 from kit.families.flux3 import layout as flux3_layout
 from kit.families.flux3 import tiny as flux3_tiny
 from kit.families.identity import part_config
@@ -214,6 +214,14 @@ class Flux3(FlowFamily):
     def identity_extras(self, pretrained, revision):
         return [self.max_sequence_length(), PAD_MULTIPLE]
 
+    def read_tokenizer(self, part, source, revision):
+        # The release's `tokenizer` folder is a Qwen3-VL processor: its chat template may sit in
+        # the processor's own file, which a tokenizer loaded from the folder does not read.
+        tokenizer = super().read_tokenizer(part, source, revision)
+        if tokenizer.chat_template is None:
+            tokenizer.chat_template = processor_chat_template(source, revision)
+        return tokenizer
+
     def token_limit(self, encoder, tokenizer):
         # The chat template's tokens come out of the same length.
         turn = [{"role": "user", "content": ""}]
@@ -264,7 +272,8 @@ class Flux3(FlowFamily):
     def predict(self, comps, noisy, timesteps, cond):
         transformer = comps.denoiser
         config = getattr(transformer, "module", transformer).config  # unwrapped under DDP
-        # A batch's captions cut back to its longest pipeline length.
+        # A batch's captions cut back to its longest pipeline length (a batch of one: exactly
+        # the pipeline's; a shorter caption beside a longer one keeps zeros past its own).
         n = int(cond["prompt_embeds_mask"].sum(1).max())
         kwargs = transformer_inputs(
             config, noisy, timesteps, cond["prompt_embeds"][:, :n], references_of(cond)
