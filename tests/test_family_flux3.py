@@ -269,3 +269,11 @@ def test_a_processor_folders_chat_template_is_found(tiny_base3, tmp_path):
     (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
     loaded = _family(copy).load_tokenizers(str(copy))["text_encoder"]
     assert template and loaded.chat_template == template
+
+
+def test_no_single_file_is_written_in_a_layout_it_is_not(tiny_base3):
+    from kit.errors import KitError
+
+    family = _family(tiny_base3)
+    with pytest.raises(KitError, match="no single-file checkpoint layout"):
+        family.single_file_state_dict(None)

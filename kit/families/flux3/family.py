@@ -23,6 +23,7 @@ import torch
 from kit.errors import ConfigError
 from kit.families import register
 from kit.families.base import posterior_latent
+from kit.families.exports import FamilyExports
 from kit.families.flow import FlowFamily
 from kit.families.flux2.family import bn_stats, patchify, processor_chat_template, unpatchify
 from kit.families.flux3 import layout as flux3_layout
@@ -368,6 +369,12 @@ class Flux3(FlowFamily):
             warnings.filterwarnings("ignore", "Unexpected input", UserWarning)
             images = pipe(**kwargs, generator=generator)
         return [images[0]]
+
+    # ------------------------------------------------------------ single file
+
+    def single_file_state_dict(self, comps):
+        # diffusers converts BFL's FLUX.3 file to its names, not back: refused, not mislabelled.
+        return FamilyExports.single_file_state_dict(self, comps)
 
     # ------------------------------------------------------------ memory estimate
 
