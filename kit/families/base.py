@@ -94,6 +94,8 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
     """Export formats this family writes."""
     textual_inversion_refusal: str = ""
     """Why no client could read this family's embeddings though its pipeline loads some; or ""."""
+    full_refusal: str = ""
+    """Why a fully fine-tuned model of this family could not be exported and read back; or ""."""
     embedding_names: tuple[str, ...] = ()
     """Keys of a textual-inversion file, one per text encoder (A1111 / ComfyUI naming);
     empty for one encoder, whose file holds a single tensor under the token's name."""

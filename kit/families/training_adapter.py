@@ -97,7 +97,11 @@ def read_training_adapter(family: Any, denoiser: nn.Module, source: str) -> Trai
     }
     slot = "transformer" if "transformer" in params else "unet"
     parts[slot] = denoiser
-    pipe = cls(**parts)
+    if hasattr(cls, "update_components"):  # a modular pipeline: its parts are components
+        pipe = cls()
+        pipe.update_components(transformer=denoiser)
+    else:
+        pipe = cls(**parts)
     try:
         pipe.load_lora_weights(source, adapter_name=NAME)
     except Exception as e:  # the hub, a missing file, a layout no converter reads

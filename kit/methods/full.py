@@ -33,6 +33,10 @@ class Full(Method):
     base_learning_rate = 2e-6
     whole_denoiser = True
 
+    @classmethod
+    def unsupported(cls, family: Family) -> str | None:
+        return family.full_refusal or None
+
     def __init__(self, cfg: Config, family: Family) -> None:
         super().__init__(cfg, family)
         self.live_text = cfg.network.train_text_encoder
