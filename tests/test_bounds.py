@@ -350,6 +350,35 @@ def test_the_same_keys_pass_where_they_act():
         get_method(cfg, get_family("sd15", cfg))
 
 
+CLIP_KEYS = [
+    ({"num_frames": 5}, "num_frames"),
+    ({"frame_stride": 2}, "frame_stride"),
+    ({"frame_start": "center"}, "frame_start"),
+    ({"frame_sampling": "chunk"}, "frame_sampling"),
+    ({"frame_windows": 2}, "frame_windows"),
+    ({"window_stride": 3}, "window_stride"),
+    ({"condition_frame": 1}, "condition_frame"),
+    ({"datasets": [{"image_dir": "x", "num_frames": 9}]}, r"datasets\[0\]\.num_frames"),
+]
+
+
+@pytest.mark.parametrize(("fields", "key"), CLIP_KEYS)
+def test_frame_keys_on_a_family_of_images_are_refused_by_name(fields, key):
+    cfg = from_dict({"model_family": "sdxl", **fields})
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{key}: .* does nothing for model_family sdxl, "
+        r"which trains on images; remove it",
+    ):
+        get_method(cfg, get_family("sdxl", cfg))
+
+
+def test_frame_keys_pass_on_a_family_of_clips():
+    for fields, _ in CLIP_KEYS[:-2]:
+        cfg = from_dict({"model_family": "wan", **fields})
+        get_method(cfg, get_family("wan", cfg))
+
+
 def test_a_preservation_trigger_found_in_no_caption_is_refused_by_name(tmp_path):
     from kit.train.preserve import check_triggers
 
