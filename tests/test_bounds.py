@@ -379,6 +379,37 @@ def test_frame_keys_pass_on_a_family_of_clips():
         get_method(cfg, get_family("wan", cfg))
 
 
+FLOW_KEYS = {
+    "timestep_sampling": "uniform",
+    "logit_mean": 0.5,
+    "logit_std": 2.0,
+    "mode_scale": 1.0,
+    "loss_weighting": "cosmap",
+    "flow_shift": 3.0,
+}
+DDPM_KEYS = {"min_snr_gamma": 5.0, "noise_offset": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value"),
+    [("sd15", k, v) for k, v in FLOW_KEYS.items()]
+    + [("sdxl", "loss_weighting", "sigma_sqrt")]
+    + [(f, k, v) for f in ("flux", "sd3") for k, v in DDPM_KEYS.items()],
+)
+def test_objective_keys_of_the_other_draw_are_refused_by_name(family, key, value):
+    cfg = from_dict({"model_family": family, key: value})
+    with pytest.raises(
+        ConfigError, match=rf"^{key}: .* does nothing for model_family {family}, which trains by "
+    ):
+        get_method(cfg, get_family(family, cfg))
+
+
+def test_objective_keys_pass_on_the_draw_that_reads_them():
+    for family, fields in (("sd15", DDPM_KEYS), ("flux", FLOW_KEYS), ("wan", FLOW_KEYS)):
+        cfg = from_dict({"model_family": family, **fields})
+        get_method(cfg, get_family(family, cfg))
+
+
 def test_a_preservation_trigger_found_in_no_caption_is_refused_by_name(tmp_path):
     from kit.train.preserve import check_triggers
 

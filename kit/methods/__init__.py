@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
-from kit.config import Config, DataConfig, NetworkConfig
+from kit.config import Config, DataConfig, NetworkConfig, ObjectiveConfig
 from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
 from kit.families.facts import CLIP_KEYS
+from kit.families.noise import DRAW_KEYS, OBJECTIVES
 from kit.families.source import check_base
 from kit.methods.base import Method, NetworkSummary
 
@@ -93,6 +94,20 @@ def _refuse_unread(cfg: Config, family: Family, cls: type[Method]) -> None:
         )
     if not family.video:
         _refuse_clip_keys(cfg, family)
+    _refuse_other_draw(cfg, family)
+
+
+def _refuse_other_draw(cfg: Config, family: Family) -> None:
+    """Refuse an objective key that only another kind of draw than the family's reads
+    (`DRAW_KEYS`), set away from its default."""
+    o, default = cfg.objective, ObjectiveConfig()
+    for kind, keys in DRAW_KEYS.items():
+        for key in keys if kind != family.objective else ():
+            if getattr(o, key) != getattr(default, key):
+                raise ConfigError(
+                    f"{key}: {getattr(o, key)!r} does nothing for model_family {family.name}, "
+                    f"which trains by {OBJECTIVES[family.objective]}; remove it"
+                )
 
 
 def _refuse_clip_keys(cfg: Config, family: Family) -> None:
