@@ -187,6 +187,14 @@ def write_run_config(
     return write_config(path, **fields)
 
 
+def short_clips(family: str) -> dict[str, int]:
+    """`num_frames: 5` (short clips, quick to train and sample) for a family that trains on
+    clips; nothing for a family of images, which refuses frame keys."""
+    from kit.families import family_info
+
+    return {"num_frames": 5} if family_info(family).video else {}
+
+
 def paired_controls(data: Path) -> Path:
     """A control image for each image of `data` (its mirror image, so an edit model has a pair
     to learn), written once beside the folder as `<data>_controls`."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import signal
 import socket
 import tarfile
@@ -21,7 +22,7 @@ from PIL import Image
 
 from kit.config import from_dict, load_config
 from kit.data import bounds, video
-from kit.data.blob import expand_braces, filesystem
+from kit.data.blob import expand_braces, filesystem, use_remote
 from kit.data.buckets import Placement
 from kit.data.cache import plan_cache
 from kit.data.images import BadImage
@@ -153,12 +154,9 @@ def test_a_clip_whose_frames_overflow_memory_is_refused_before_encoding(tmp_path
 # ---------------------------------------------------------------- 2. network reads
 
 
-@pytest.fixture()
-def silent_endpoint(monkeypatch):
-    """An S3 endpoint on loopback that accepts connections and never answers."""
-    pytest.importorskip("s3fs")
-    import s3fs
-
+@contextmanager
+def silent_server():
+    """A port on loopback that accepts connections and never answers: its address."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(16)
@@ -175,21 +173,33 @@ def silent_endpoint(monkeypatch):
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.getsockname()[1]}",
-    }.items():
-        monkeypatch.setenv(key, value)
-    s3fs.S3FileSystem.clear_instance_cache()
-    filesystem.cache_clear()
-    yield
-    stop.set()
-    thread.join(5)
-    for c in held:
-        c.close()
-    server.close()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for c in held:
+            c.close()
+        server.close()
+
+
+@pytest.fixture()
+def silent_endpoint(monkeypatch):
+    """An S3 endpoint on loopback that accepts connections and never answers."""
+    pytest.importorskip("s3fs")
+    import s3fs
+
+    with silent_server() as address:
+        for key, value in {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": address,
+        }.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        filesystem.cache_clear()
+        yield
     s3fs.S3FileSystem.clear_instance_cache()
     filesystem.cache_clear()
 
@@ -221,6 +231,60 @@ def test_an_endpoint_that_never_answers_times_out_and_says_what_it_waited_for(
     assert "kit-data" in str(error) and "remote_timeout" in str(error)
     assert "no answer" in str(error)
     assert "waiting" in capsys.readouterr().err
+
+
+def test_a_streamed_dataset_whose_server_never_answers_times_out(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    with silent_server() as address:
+        url = f"{address}/train.parquet"
+        data = from_dict(
+            {
+                "datasets": [
+                    {
+                        "hf_dataset": url,
+                        "streaming": True,
+                        "split": "train",
+                        "image_column": "image",
+                        "caption_column": "text",
+                    }
+                ],
+                "remote_timeout": 1.0,
+                "remote_retries": 1,
+            }
+        ).data
+        done: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                scan(data)
+                done.append(None)
+            except BaseException as e:  # noqa: BLE001 — handed to the test's thread
+                done.append(e)
+
+        started = time.monotonic()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(30)
+        assert done, "the stream still waits on a server that never answers"
+    assert time.monotonic() - started < 20
+    (error,) = done
+    assert isinstance(error, DataError), error
+    assert url in str(error) and "remote_timeout" in str(error) and "no answer" in str(error)
+
+
+def test_hub_reads_take_the_remote_timeout(monkeypatch):
+    from huggingface_hub import constants
+
+    for key in ("HF_HUB_ETAG_TIMEOUT", "HF_HUB_DOWNLOAD_TIMEOUT"):
+        monkeypatch.setattr(constants, key, getattr(constants, key))
+        monkeypatch.delenv(key, raising=False)
+    use_remote(7.5, 2)
+    try:
+        assert constants.HF_HUB_ETAG_TIMEOUT == constants.HF_HUB_DOWNLOAD_TIMEOUT == 8
+        assert os.environ["HF_HUB_DOWNLOAD_TIMEOUT"] == "8"  # and processes it starts
+    finally:
+        use_remote(60.0, 3)
 
 
 def test_network_settings_are_checked_when_the_config_is_read():
@@ -348,6 +412,66 @@ def test_the_same_keys_pass_where_they_act():
     ):
         cfg = from_dict({"model_family": "sd15", **fields})
         get_method(cfg, get_family("sd15", cfg))
+
+
+CLIP_KEYS = [
+    ({"num_frames": 5}, "num_frames"),
+    ({"frame_stride": 2}, "frame_stride"),
+    ({"frame_start": "center"}, "frame_start"),
+    ({"frame_sampling": "chunk"}, "frame_sampling"),
+    ({"frame_windows": 2}, "frame_windows"),
+    ({"window_stride": 3}, "window_stride"),
+    ({"condition_frame": 1}, "condition_frame"),
+    ({"datasets": [{"image_dir": "x", "num_frames": 9}]}, r"datasets\[0\]\.num_frames"),
+]
+
+
+@pytest.mark.parametrize(("fields", "key"), CLIP_KEYS)
+def test_frame_keys_on_a_family_of_images_are_refused_by_name(fields, key):
+    cfg = from_dict({"model_family": "sdxl", **fields})
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{key}: .* does nothing for model_family sdxl, "
+        r"which trains on images; remove it",
+    ):
+        get_method(cfg, get_family("sdxl", cfg))
+
+
+def test_frame_keys_pass_on_a_family_of_clips():
+    for fields, _ in CLIP_KEYS[:-2]:
+        cfg = from_dict({"model_family": "wan", **fields})
+        get_method(cfg, get_family("wan", cfg))
+
+
+FLOW_KEYS = {
+    "timestep_sampling": "uniform",
+    "logit_mean": 0.5,
+    "logit_std": 2.0,
+    "mode_scale": 1.0,
+    "loss_weighting": "cosmap",
+    "flow_shift": 3.0,
+}
+DDPM_KEYS = {"min_snr_gamma": 5.0, "noise_offset": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value"),
+    [("sd15", k, v) for k, v in FLOW_KEYS.items()]
+    + [("sdxl", "loss_weighting", "sigma_sqrt")]
+    + [(f, k, v) for f in ("flux", "sd3") for k, v in DDPM_KEYS.items()],
+)
+def test_objective_keys_of_the_other_draw_are_refused_by_name(family, key, value):
+    cfg = from_dict({"model_family": family, key: value})
+    with pytest.raises(
+        ConfigError, match=rf"^{key}: .* does nothing for model_family {family}, which trains by "
+    ):
+        get_method(cfg, get_family(family, cfg))
+
+
+def test_objective_keys_pass_on_the_draw_that_reads_them():
+    for family, fields in (("sd15", DDPM_KEYS), ("flux", FLOW_KEYS), ("wan", FLOW_KEYS)):
+        cfg = from_dict({"model_family": family, **fields})
+        get_method(cfg, get_family(family, cfg))
 
 
 def test_a_preservation_trigger_found_in_no_caption_is_refused_by_name(tmp_path):

@@ -23,7 +23,7 @@ from kit.families import get_family
 from kit.methods import get_method
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
-from tests.conftest import write_run_config
+from tests.conftest import short_clips, write_run_config
 
 UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "conv1", "conv2", "ff.net.2"]
 """Attention, 1×1 and 3×3 convolutions and a feed-forward layer: every kind of weight."""
@@ -76,7 +76,7 @@ def _trained_run(tmp_path, base, data, family, method, extra):
         "validation_prompt": ["a zorbic thing"],
         "validation_seeds": [0],
         "validation_num_inference_steps": 2,
-        "num_frames": 5,
+        **short_clips(family),
         **extra,
     }
     if family in ("sd15", "sdxl"):

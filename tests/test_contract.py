@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from kit.config import from_dict
 from kit.families import family_names, get_family
 from kit.families.base import PARTS, ImageSpec
+from tests.conftest import short_clips
 
 FAMILIES = family_names()
 CAPTIONS = ["a large red circle", "a small blue square on a white background"]
@@ -30,7 +31,7 @@ SUBSETS = [c for n in range(len(PARTS) + 1) for c in itertools.combinations(PART
 
 def _family(name: str):
     # A short clip for video families, so that sampling stays quick.
-    return get_family(name, from_dict({"model_family": name, "num_frames": 5}))
+    return get_family(name, from_dict({"model_family": name, **short_clips(name)}))
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -20,7 +20,7 @@ from kit.export.writer import export
 from kit.families import family_names, get_family
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
-from tests.conftest import write_run_config
+from tests.conftest import short_clips, write_run_config
 
 FAMILIES = family_names()
 
@@ -69,7 +69,7 @@ def family_run(request, tmp_path_factory, tiny_base, family_dataset):
         "data": family_dataset(name),
         "cache_dir": str(tmp / "cache"),
         "trigger_words": ["zorbstar"],
-        "num_frames": 5,
+        **short_clips(name),
         "lora_alpha": 2,
         "learning_rate": 1e-2,
         "validation_prompt": ["a large red zorbstar"],

@@ -23,7 +23,7 @@ from kit.families import family_names, get_family
 from kit.methods import get_method, method_names
 from kit.run import checkpoint as ckpt
 from kit.train.loop import train
-from tests.conftest import TEXTUAL_INVERSION, write_run_config
+from tests.conftest import TEXTUAL_INVERSION, short_clips, write_run_config
 
 FAMILIES = family_names()
 METHODS = method_names()
@@ -66,8 +66,8 @@ ELSEWHERE = {
     },
 }
 
-SHORT = {"max_train_steps": 2, "checkpointing_steps": 1, "num_frames": 5}
-"""Two steps, a checkpoint after each (the split run resumes from step 1); short clips."""
+SHORT = {"max_train_steps": 2, "checkpointing_steps": 1}
+"""Two steps, a checkpoint after each (the split run resumes from step 1)."""
 
 
 def _resolve(family_name: str, method: str):
@@ -183,7 +183,7 @@ def test_pair_trains_resumes_and_exports(
             family=family_name,
             output_dir=str(tmp_path / run),
             cache_dir=str(family_cache(family_name)),
-            **{**SHORT, **_fields(method)},
+            **{**SHORT, **short_clips(family_name), **_fields(method)},
         )
 
     straight = load_config(config("straight"))

@@ -18,7 +18,7 @@ from kit.families import get_family
 from kit.methods import get_method
 from kit.run import checkpoint as ckpt
 from kit.run.folder import RunDir
-from tests.conftest import TEXTUAL_INVERSION, write_run_config
+from tests.conftest import TEXTUAL_INVERSION, short_clips, write_run_config
 
 RANK, ALPHA = 4, 2.0
 
@@ -299,7 +299,7 @@ def test_transformer_families_merge_into_their_original_layout(
         max_train_steps=2,
         checkpointing_steps=2,
         validation_steps=0,
-        num_frames=5,
+        **short_clips(family),
     )
     train(load_config(path))
     result = merge(tmp_path / "run", out=tmp_path / "m.safetensors", dtype="fp32")

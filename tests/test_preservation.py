@@ -384,10 +384,10 @@ def test_every_family_trains_with_preservation(tmp_path, tiny_base, family_datas
     and two steps train."""
     from kit.train.objective import denoising_loss
     from kit.train.prepare import prepare
-    from tests.conftest import write_run_config
+    from tests.conftest import short_clips, write_run_config
 
     keep = {"kind": "output", "class_words": {"zorbic": "pink"}}
-    fields = {"num_frames": 5, "max_train_steps": 2, "checkpointing_steps": 0}
+    fields = {**short_clips(name), "max_train_steps": 2, "checkpointing_steps": 0}
     path = write_run_config(
         tmp_path / "c.json", base=tiny_base(name), data=family_dataset(name), family=name,
         preservation=keep, **fields,

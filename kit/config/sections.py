@@ -393,7 +393,7 @@ class ObjectiveConfig:
     """The largest training timestep drawn (exclusive), of 0…1000 (flow-matching: σ·1000)."""
     timestep_sampling: Literal["auto", "uniform", "logit_normal", "mode"] = "auto"
     """How flow-matching families (sd3, flux, wan) draw σ; `auto` is `logit_normal`, or `uniform`
-    when `loss_weighting` is set (as diffusers pairs them). DDPM families draw uniformly."""
+    when `loss_weighting` is set (as diffusers pairs them); refused on DDPM families."""
     logit_mean: float = 0.0
     """Mean of the logit-normal σ distribution."""
     logit_std: float = 1.0
@@ -409,9 +409,9 @@ class ObjectiveConfig:
     """Guidance value given to guidance-distilled models (Flux dev's guidance embedding) in
     training; empty takes the family's default (Flux: 3.5, as diffusers' and kohya's trainers)."""
     min_snr_gamma: float = 0.0
-    """Min-SNR-γ loss weighting for epsilon / v models (5 is usual); 0 turns it off."""
+    """Min-SNR-γ loss weighting of DDPM (epsilon / v) families, 5 is usual; 0 turns it off."""
     noise_offset: float = 0.0
-    """Offset noise strength (0.05–0.1 helps very dark or bright images); 0 turns it off."""
+    """DDPM families' offset noise (0.05–0.1 helps very dark or bright images); 0 turns it off."""
     caption_dropout: float = 0.0
     """Share of samples trained on the empty caption's embedding (helps guidance); 0 turns it off."""
     ema_decay: float = 0.0

@@ -140,11 +140,15 @@ class RemoteFields:
     """The data section's settings for reads from a URL (`s3://`, `https://`)."""
 
     remote_timeout: float = 60.0
-    """Seconds a request to a store (S3, HTTP) may wait for an answer before it is tried again;
-    a store that accepts a connection and never answers is then named within minutes."""
+    """Seconds a request may wait for an answer before it is tried again: a store's (S3, HTTP,
+    read through fsspec), an `hf_dataset`'s, streamed or downloaded (`datasets`' download config
+    and filesystem options), and the hub's (huggingface_hub's `HF_HUB_ETAG_TIMEOUT` and
+    `HF_HUB_DOWNLOAD_TIMEOUT`, whole seconds: base models too). A server that accepts a
+    connection and never answers is then named within minutes."""
     remote_retries: int = 3
     """How many times a request that got no answer in `remote_timeout` is tried again (each
-    wait is said on stderr) before the run stops, naming what it waited for."""
+    wait is said on stderr) before the run stops, naming what it waited for; for `datasets`,
+    its download config's `max_retries` and its streaming reads' retries."""
 
     def check_remote(self) -> None:
         """A positive, finite timeout and a retry count of 0 or more."""

@@ -12,16 +12,18 @@ import hashlib
 import io
 import os
 import re
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from kit.config.sources import URL, check_pattern
+from kit.data.network import REMOTE as _REMOTE
+from kit.data.network import dataset_options, hub_settings
+from kit.data.network import no_answer as no_answer
+from kit.data.network import remote as remote
+from kit.data.network import timed_out as timed_out
+from kit.data.network import timeouts as _timeouts
 from kit.data.streamed import read_row
 from kit.errors import ConfigError, DataError, KitError
-
-T = TypeVar("T")
 
 
 def is_url(value: str) -> bool:
@@ -34,72 +36,13 @@ def local_path(value: str) -> str:
     return value[len("file://") :] if value.startswith("file://") else value
 
 
-_REMOTE = {"timeout": 60.0, "retries": 3}
-"""`remote_timeout` and `remote_retries` of the run: set once per process by the scan and the
-cache (`use_remote`), as every Blob shares its process's filesystems and carries no config."""
-
-
 def use_remote(timeout: float, retries: int) -> None:
-    """Take the config's `remote_timeout` and `remote_retries` for every read from a URL."""
+    """Take the config's `remote_timeout` and `remote_retries` for every read from a URL, and
+    for the Hugging Face libraries' reads (`hub_settings`)."""
+    hub_settings(timeout, retries)
     if (_REMOTE["timeout"], _REMOTE["retries"]) != (timeout, retries):
         _REMOTE.update(timeout=float(timeout), retries=int(retries))
         filesystem.cache_clear()  # the filesystems opened with the old settings
-
-
-def _timeouts(scheme: str) -> dict[str, Any]:
-    """The filesystem options that bound each request by `remote_timeout`: one attempt each,
-    so that `remote` does the retrying and says what it waits for."""
-    t = _REMOTE["timeout"]
-    if scheme in ("s3", "s3a"):
-        retry = {"total_max_attempts": 1, "mode": "standard"}
-        return {"config_kwargs": {"connect_timeout": t, "read_timeout": t, "retries": retry}}
-    if scheme in ("http", "https"):
-        import aiohttp
-
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t, sock_read=t)
-        return {"client_kwargs": {"timeout": timeout}}
-    return {}
-
-
-def timed_out(e: Any) -> bool:
-    """Whether an error (or one it was raised from) is a request that got no answer in time;
-    False for anything that is no error (a batch's bytes)."""
-    for _ in range(16):  # a chain's depth, bounded
-        if not isinstance(e, BaseException):
-            return False
-        if isinstance(e, TimeoutError) or "Timeout" in type(e).__name__:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def no_answer(what: str, tries: int) -> DataError:
-    """The error for a read that got no answer, naming what it waited for and the settings."""
-    t, r = _REMOTE["timeout"], _REMOTE["retries"]
-    return DataError(
-        f"{what}: no answer in {t:g} s, {tries} {'try' if tries == 1 else 'tries'} "
-        f"(remote_timeout {t:g}, remote_retries "
-        f"{r}); check the endpoint and the network, or raise remote_timeout for a slow store"
-    )
-
-
-def remote(what: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """`call(*args, **kwargs)`, a request to a store: tried again `remote_retries` times when
-    it gets no answer in `remote_timeout` seconds, each wait said on stderr."""
-    tries = _REMOTE["retries"] + 1
-    for n in range(1, tries + 1):
-        try:
-            return call(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 — only a timeout is retried; the rest is raised
-            if not timed_out(e):
-                raise
-            if n < tries:
-                print(
-                    f"waiting for {what}: no answer in {_REMOTE['timeout']:g} s; trying again "
-                    f"({n} of {tries - 1})",
-                    file=sys.stderr,
-                )
-    raise no_answer(what, tries)
 
 
 @functools.lru_cache(maxsize=32)
@@ -202,6 +145,22 @@ class Blob:
         return io.BytesIO(self.read())
 
 
+def reach(what: str, url: str) -> None:
+    """Ask a URL's store about the file it names (not a pattern), bounded by `remote_timeout`
+    and tried `remote_retries` times more: a store that never answers is named here, where a
+    library behind it (`datasets`) would say only that it found nothing. Any other error is left
+    to the library's own read, which says what is wrong."""
+    if not is_url(url) or any(c in url for c in "*?[{"):
+        return
+    try:
+        fs, path = filesystem(url)
+        remote(what, fs.info, path)
+    except DataError:
+        raise
+    except Exception:  # noqa: BLE001, S110 — not the store's silence: the read reports it
+        pass
+
+
 @functools.lru_cache(maxsize=8)
 def open_dataset(name: str, split: str) -> Any:
     """A Hugging Face dataset's split, opened once per process (memory-mapped: nothing is read).
@@ -217,6 +176,7 @@ def open_dataset(name: str, split: str) -> Any:
             "hf_dataset needs the `datasets` package: pip install 'kit[data]'"
         ) from None
     where = f"hf_dataset {name}"
+    reach(where, name)
     try:
         saved = os.path.isdir(name) and any(
             os.path.isfile(os.path.join(name, f)) for f in ("dataset_dict.json", "state.json")
@@ -230,9 +190,11 @@ def open_dataset(name: str, split: str) -> Any:
                     )
                 d = d[split]
             return d
+        bounded = dataset_options(name)  # `remote_timeout` and `remote_retries`
         if name.endswith(".parquet"):
-            return datasets.load_dataset("parquet", data_files={split: name}, split=split)
-        return datasets.load_dataset(name, split=split)
+            files = {split: name}
+            return datasets.load_dataset("parquet", data_files=files, split=split, **bounded)
+        return datasets.load_dataset(name, split=split, **bounded)
     except DataError:
         raise
     except (ValueError, KeyError) as e:  # an unknown split, a dataset without one

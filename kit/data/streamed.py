@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from kit.data.network import dataset_options
 from kit.errors import DataError
 
 MAX_BLOCKS = 1024
@@ -53,10 +54,11 @@ def open_stream(name: str, split: str) -> tuple[Any, list[Any]]:
             "set streaming to false"
         )
     try:
+        bounded = dataset_options(name)  # `remote_timeout` and `remote_retries`
         if name.endswith(".parquet"):
-            builder = datasets.load_dataset_builder("parquet", data_files={split: name})
+            builder = datasets.load_dataset_builder("parquet", data_files={split: name}, **bounded)
         else:
-            builder = datasets.load_dataset_builder(name)
+            builder = datasets.load_dataset_builder(name, **bounded)
         files = (builder.config.data_files or {}).get(split)
         if builder.config.data_files and files is None:
             have = sorted(str(k) for k in builder.config.data_files)

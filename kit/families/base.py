@@ -78,6 +78,9 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
     """DoRA can be written in the kohya layout (false where that layout fuses modules)."""
     base_model_version: str = ""
     """`ss_base_model_version` written into kohya metadata (sd-scripts' and musubi's values)."""
+    objective: str = "ddpm"
+    """The kind of training draw (`kit.families.noise.OBJECTIVES`): `ddpm` (epsilon or v, the
+    UNet families) or `flow`; the objective keys of the other kind are refused."""
     modelspec_architecture: str = ""
     """`modelspec.architecture` of the base (the adapter's kind is appended: `…/lora`)."""
     modelspec_implementation: str = "diffusers"

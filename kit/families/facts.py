@@ -9,6 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+CLIP_KEYS = (
+    "num_frames",
+    "frame_stride",
+    "frame_start",
+    "frame_sampling",
+    "frame_windows",
+    "window_stride",
+    "condition_frame",
+)
+"""The data keys that only a family training on clips (`video`) reads: set on a family of
+images they would do nothing, so they are refused there."""
+
 
 class FamilyFacts(Protocol):
     """What the data path reads of a family: a `FamilyInfo`, or a loaded `Family` itself."""

@@ -10,6 +10,22 @@ import torch
 
 from kit.errors import KitError
 
+OBJECTIVES = {"ddpm": "DDPM (epsilon or v prediction)", "flow": "flow matching"}
+"""The kinds of training draw, each a family's `objective`, as a message names them."""
+DRAW_KEYS = {
+    "ddpm": ("min_snr_gamma", "noise_offset"),
+    "flow": (
+        "timestep_sampling",
+        "logit_mean",
+        "logit_std",
+        "mode_scale",
+        "loss_weighting",
+        "flow_shift",
+    ),
+}
+"""The objective keys that only one kind of draw reads (both read `min_timestep` and
+`max_timestep`): set on a family of the other kind, they would do nothing, so they are refused."""
+
 
 @dataclass
 class NoiseDraw:

@@ -12,9 +12,11 @@ from typing import Any
 
 import torch
 
-from kit.config import Config, NetworkConfig
+from kit.config import Config, DataConfig, NetworkConfig, ObjectiveConfig
 from kit.errors import ConfigError, did_you_mean
 from kit.families import Family, get_family
+from kit.families.facts import CLIP_KEYS
+from kit.families.noise import DRAW_KEYS, OBJECTIVES
 from kit.families.source import check_base
 from kit.methods.base import Method, NetworkSummary
 
@@ -89,6 +91,38 @@ def _refuse_unread(cfg: Config, family: Family, cls: type[Method]) -> None:
         raise ConfigError(
             f"train_experts: {cfg.model.train_experts!r} does nothing for model_family "
             f"{family.name}, whose bases have one denoiser; remove it"
+        )
+    if not family.video:
+        _refuse_clip_keys(cfg, family)
+    _refuse_other_draw(cfg, family)
+
+
+def _refuse_other_draw(cfg: Config, family: Family) -> None:
+    """Refuse an objective key that only another kind of draw than the family's reads
+    (`DRAW_KEYS`), set away from its default."""
+    o, default = cfg.objective, ObjectiveConfig()
+    for kind, keys in DRAW_KEYS.items():
+        for key in keys if kind != family.objective else ():
+            if getattr(o, key) != getattr(default, key):
+                raise ConfigError(
+                    f"{key}: {getattr(o, key)!r} does nothing for model_family {family.name}, "
+                    f"which trains by {OBJECTIVES[family.objective]}; remove it"
+                )
+
+
+def _refuse_clip_keys(cfg: Config, family: Family) -> None:
+    """Refuse a frame key (`CLIP_KEYS`), the data section's or a dataset's own, set away from
+    its default for a family that trains on images: no clip is ever read."""
+    data, default = cfg.data, DataConfig()
+    found = [(k, getattr(data, k)) for k in CLIP_KEYS if getattr(data, k) != getattr(default, k)]
+    for i, ds in enumerate(data.datasets):  # a dataset's own frame keys are empty unless set
+        own = ((k, getattr(ds, k, None)) for k in CLIP_KEYS)
+        found += [(f"datasets[{i}].{k}", v) for k, v in own if v is not None]
+    if found:
+        key, value = found[0]
+        raise ConfigError(
+            f"{key}: {value!r} does nothing for model_family {family.name}, which trains on "
+            "images; remove it"
         )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kit.config import Config
+from kit.data.blob import use_remote
 from kit.data.cache import CachedDataset, fill_cache, plan_cache
 from kit.data.scan import ScanReport, check_dataset
 from kit.errors import ConfigError, KitError
@@ -61,6 +62,7 @@ def prepare(
     family = get_family(cfg.model.model_family, cfg)
     method = get_method(cfg, family)  # a pair that cannot be trained is refused here
     check_preservation(cfg, method)
+    use_remote(cfg.data.remote_timeout, cfg.data.remote_retries)  # the base's download too
     # A base that is missing, gated or of another family: one line, before any scan or cache.
     check_base(family, cfg.model.pretrained_model, cfg.model.revision)
     refuse_impossible_sizes(cfg)  # before anything loads: else the system kills the process

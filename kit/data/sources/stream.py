@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kit.data.blob import Blob, sha256
+from kit.data.blob import Blob, reach, sha256
 from kit.data.datasets import DatasetView
 from kit.data.samples import ScanReport
 from kit.data.sources import index
@@ -42,6 +42,7 @@ def scan_stream(view: DatasetView) -> ScanReport:
             "masked_loss: masks are not read from a stream; set streaming false (the dataset "
             "is then downloaded once) or masked_loss false for this dataset"
         )
+    reach(f"hf_dataset {name}", name)  # a server that never answers, named in one line
     ds, ident = open_stream(name, split)
     columns = [entry.image_column]
     if cfg.caption_strategy == "textfile":
