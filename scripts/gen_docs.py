@@ -386,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             ESTIMATES.parent.mkdir(parents=True, exist_ok=True)
             rows = {**known, **compute_estimates(missing)}
-            ESTIMATES.write_text(json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            ESTIMATES.write_text(
+                json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8"
+            )
         for p, text in pages().items():
             p.parent.mkdir(parents=True, exist_ok=True)
             if not p.is_file() or p.read_text(encoding="utf-8") != text:
