@@ -34,10 +34,6 @@ from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
 BASE, DISTILLED = "klein base", "klein"
-STEPS = {BASE: 50, DISTILLED: 16}
-"""The blocks' default steps: `Flux3SetTimestepsStep`'s 50, the distilled blocks' 16."""
-GUIDANCE = {BASE: 3.5, DISTILLED: 1.0}
-"""`Flux3LoopDenoiser`'s CFG scale; the distilled blocks have no guider (1.0: none)."""
 PAD_MULTIPLE = 80
 """`Flux3TextEncoderStep`'s padding: each caption right-padded to a multiple of 80 tokens."""
 ROPE_SCALE = 0.5
@@ -135,6 +131,14 @@ class Flux3(FlowFamily):
     hub_id = "black-forest-labs/flux-3-image-klein-base"
     bucket_step = 64
     variants = (BASE, DISTILLED)
+    variant_steps = {BASE: 50, DISTILLED: 16}
+    """The blocks' default steps: `Flux3SetTimestepsStep`'s 50, the distilled blocks' 16."""
+    variant_guidance = {BASE: 3.5, DISTILLED: 1.0}
+    """`Flux3LoopDenoiser`'s CFG scale; the distilled blocks have no guider (1.0: none)."""
+    distilled_variants = {
+        DISTILLED: "FLUX.3 klein is step-distilled (its transformer config says flow_map: it "
+        "samples in 16 steps without CFG); FLUX.3 klein base is not"
+    }
     # Attention's q, k, v and output, and the SwiGLU's two linears, in every per-mode and joint
     # block (the per-mode blocks hold separate q, k, v; the joint ones too).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
@@ -185,29 +189,8 @@ class Flux3(FlowFamily):
             name = str(pretrained).lower()
             return DISTILLED if "klein" in name and "base" not in name else BASE
 
-    def distillation(self, pretrained: str) -> str:
-        if self.variant_of(pretrained) != DISTILLED:
-            return ""
-        return (
-            "FLUX.3 klein is step-distilled (its transformer config says flow_map: it samples in "
-            "16 steps without CFG); FLUX.3 klein base is not"
-        )
-
-    def _configured(self) -> str:
-        return self.variant_of(self.cfg.model.pretrained_model or self.hub_id)
-
-    @property
-    def default_num_inference_steps(self) -> int:  # type: ignore[override]
-        """The blocks' steps for this model (`STEPS`)."""
-        return STEPS[self._configured()]
-
-    @property
-    def default_guidance_scale(self) -> float:  # type: ignore[override]
-        """The blocks' guidance for this model (`GUIDANCE`)."""
-        return GUIDANCE[self._configured()]
-
     def version_metadata(self) -> dict[str, str]:
-        variant = self._configured().replace(" ", "-")
+        variant = self.configured_variant().replace(" ", "-")
         return {**super().version_metadata(), "modelspec.architecture": f"flux-3-{variant}"}
 
     # ------------------------------------------------------------ encoding
@@ -350,7 +333,7 @@ class Flux3(FlowFamily):
         kwargs = {**super().call_kwargs(spec), "output": "images"}  # the blocks' images alone
         if spec.control:
             kwargs["image"] = list(spec.control)
-        if self._configured() == BASE:  # the base's CFG draws against the negative prompt
+        if self.configured_variant() == BASE:  # the base's CFG draws against the negative prompt
             kwargs["negative_prompt"] = spec.negative_prompt
         return kwargs
 

@@ -45,9 +45,6 @@ from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
 BASE, TURBO = "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"
-STEPS = {BASE: 40, TURBO: 8}
-"""Validation steps: QwenImage21Pipeline's default (40); Turbo's modular pipeline default (8,
-its `sample_sigmas` decide the count when the base ships them)."""
 VAE_FACTOR = 16
 """The VAE's spatial factor: the pipeline's `vae_scale_factor`."""
 REFERENCE_AREA = 1024 * 1024
@@ -117,6 +114,13 @@ class QwenImage21(FlowFamily):
     hub_id = "Qwen/Qwen-Image-2.1"  # the pipeline's example; diffusers' single-file default
     bucket_step = 64
     variants = (BASE, TURBO)
+    variant_steps = {BASE: 40, TURBO: 8}
+    """QwenImage21Pipeline's default (40); Turbo's modular pipeline default (8, its
+    `sample_sigmas` decide the count when the base ships them)."""
+    distilled_variants = {
+        TURBO: "Qwen-Image 2.1 Turbo is step-distilled (its model_index.json ships "
+        "sample_sigmas, a few-step grid it samples without guidance); Qwen-Image 2.1 is not"
+    }
     default_max_sequence_length = MAX_SEQUENCE_LENGTH
     default_guidance_scale = 1.0  # `true_cfg_scale`: the model samples without guidance
     # Attention and the SwiGLU of every block (the pipeline's LoRA loader maps any module).
@@ -169,19 +173,6 @@ class QwenImage21(FlowFamily):
         if found:
             return TURBO if found.get("sample_sigmas") else BASE
         return TURBO if "turbo" in str(pretrained).lower() else BASE
-
-    def distillation(self, pretrained: str) -> str:
-        if self.variant_of(pretrained) != TURBO:
-            return ""
-        return (
-            "Qwen-Image 2.1 Turbo is step-distilled (its model_index.json ships sample_sigmas, "
-            "a few-step grid it samples without guidance); Qwen-Image 2.1 is not"
-        )
-
-    @property
-    def default_num_inference_steps(self) -> int:  # type: ignore[override]
-        """The validation steps of this release (`STEPS`)."""
-        return STEPS[self.variant_of(self.cfg.model.pretrained_model or self.hub_id)]
 
     # ------------------------------------------------------------ loading
 
