@@ -111,6 +111,21 @@ def bn_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
 
 
+@torch.no_grad()
+def encode_normalised(vae: Any, pixels: torch.Tensor, generator=None) -> torch.Tensor:
+    """Latents of `pixels` normalised per 2×2 patch by the VAE's batch norm, as the FLUX.2 and
+    FLUX.3 pipelines make them. The pixels are laid out channels last, as the pipelines' image
+    processor hands a reference to the VAE (its HWC array transposed), so the convolutions
+    round as at inference. A copy: a batch of one already counts as channels last, yet its
+    batch stride changes the kernel."""
+    pixels = pixels.to(vae.device, vae.dtype)
+    pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
+    dist = vae.encode(pixels).latent_dist
+    patches = patchify(posterior_latent(dist, generator))
+    mean, std = bn_stats(vae, patches)
+    return unpatchify((patches - mean) / std)
+
+
 def transformer_inputs(
     config: Any,
     latents: torch.Tensor,
@@ -361,19 +376,9 @@ class Flux2(FlowFamily):
         )
         return {"prompt_embeds": embeds}
 
-    @torch.no_grad()
     def encode_images(self, comps, pixels, generator=None):
         # Differs from FlowFamily's: channels last, and normalised per 2×2 patch (BatchNorm).
-        vae = comps.vae
-        # Laid out channels last, as the pipelines' image processor hands a reference to the
-        # VAE (its HWC array transposed), so the convolutions round as at inference. A copy: a
-        # batch of one already counts as channels last, yet its batch stride changes the kernel.
-        pixels = pixels.to(vae.device, vae.dtype)
-        pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
-        dist = vae.encode(pixels).latent_dist
-        patches = patchify(posterior_latent(dist, generator))
-        mean, std = bn_stats(vae, patches)
-        return unpatchify((patches - mean) / std)
+        return encode_normalised(comps.vae, pixels, generator)
 
     # ------------------------------------------------------------ training
 

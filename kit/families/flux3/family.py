@@ -22,10 +22,14 @@ import torch
 
 from kit.errors import ConfigError
 from kit.families import register
-from kit.families.base import posterior_latent
 from kit.families.exports import FamilyExports
 from kit.families.flow import FlowFamily
-from kit.families.flux2.family import bn_stats, patchify, processor_chat_template, unpatchify
+from kit.families.flux2.family import (
+    encode_normalised,
+    patchify,
+    processor_chat_template,
+    unpatchify,
+)
 from kit.families.flux3 import layout as flux3_layout
 from kit.families.flux3 import tiny as flux3_tiny
 from kit.families.identity import part_config
@@ -238,18 +242,9 @@ class Flux3(FlowFamily):
         n = int(text["prompt_embeds_mask"].sum(1).max())
         return {"prompt_embeds": text["prompt_embeds"][:, :n]}
 
-    @torch.no_grad()
     def encode_images(self, comps, pixels, generator=None):
         # Normalised per 2×2 patch (the VAE's batch norm), as the pipeline's VAE step does.
-        vae = comps.vae
-        # Laid out channels last, as the image processor hands a reference to the VAE (its HWC
-        # array transposed), so that the convolutions round as at inference (FLUX.2's reason).
-        pixels = pixels.to(vae.device, vae.dtype)
-        pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
-        dist = vae.encode(pixels).latent_dist
-        patches = patchify(posterior_latent(dist, generator))
-        mean, std = bn_stats(vae, patches)
-        return unpatchify((patches - mean) / std)
+        return encode_normalised(comps.vae, pixels, generator)
 
     # ------------------------------------------------------------ training
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from kit.families import tiny
 from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
 from kit.io import atomic_dir
 
@@ -69,18 +70,7 @@ def make(out_dir: str | Path, seed: int = 0, distilled: bool = False) -> Path:
     tokenizer = tiny_qwen2_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     encoder = text_encoder(tokenizer)
-    vae = diffusers.AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32),
-        layers_per_block=1,
-        norm_num_groups=16,
-        latent_channels=8,
-        sample_size=64,
-    )
-    # Statistics away from (0, 1), so that a missed normalisation shows in the tests.
-    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
-    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
+    vae = tiny.flux2_vae()
     transformer = diffusers.Flux3Transformer2DModel(
         in_channels=32,  # 8 latent channels × a 2×2 patch
         cond_in_channels=32,
