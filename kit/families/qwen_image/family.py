@@ -46,6 +46,14 @@ def encode_prompts(pipe: Any, captions: list[str], length: int) -> dict[str, tor
     """
     device = pipe.text_encoder.device
     embeds, mask = pipe.encode_prompt(captions, device=device, max_sequence_length=length)
+    return padded_prompts(embeds, mask, length)
+
+
+def padded_prompts(
+    embeds: torch.Tensor, mask: torch.Tensor | None, length: int
+) -> dict[str, torch.Tensor]:
+    """`embeds` (B, n, D) zero-padded to `length` tokens, with the mask (1 = a caption token;
+    None from the pipeline: every one) padded alike."""
     b, n, _ = embeds.shape
     if mask is None:
         mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)

@@ -160,8 +160,55 @@ def load_processor(source: str, revision: str | None = None) -> Any:
     return cls.from_pretrained(source, subfolder="processor", revision=revision)
 
 
+class ProcessorFamily:
+    """What a family whose captions a vision-language processor reads with images adds to its
+    base class (listed before it): the processor loaded beside the parts and kept per base, its
+    image settings in the cache identity, and trust for a tiny base's own image-only processor
+    (Qwen-Image-Edit's Qwen2VLProcessor, Qwen-Image 2.1's Qwen3VLProcessor)."""
+
+    image_only_module = IMAGE_ONLY_MODULE
+    """The module a tiny base made without torchvision names for its processor."""
+    read_processor = staticmethod(load_processor)
+    """The base's processor as its pipeline loads it: (source, revision) → processor."""
+
+    @property
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained` arguments: without torchvision, a tiny base's processor is a
+        custom component (`make_tiny`), which diffusers loads only when told to trust it. Only
+        a base whose model_index names the kit's own processor module is trusted: never a
+        released or downloaded model's code."""
+        if has_torchvision() or self.cfg is None:
+            return {}
+        pretrained = self.cfg.model.pretrained_model or self.hub_id
+        index = model_index(self.model_source(pretrained), self.cfg.model.revision)
+        own = (index.get("processor") or [None])[0] == self.image_only_module
+        return {"trust_remote_code": True} if own else {}
+
+    def identity_extras(self, pretrained, revision):
+        # The processor's image settings shape the vision-language prompt, so its embeddings.
+        path = Path(config_source(pretrained)) / "processor" / "preprocessor_config.json"
+        settings = path.read_text(encoding="utf-8") if path.is_file() else ""
+        return [super().identity_extras(pretrained, revision), settings]
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
+        comps = super().load(
+            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
+        )
+        # The pipeline's processor (its tokenizer and image processor), kept by the source.
+        self._processors[comps.source] = self.read_processor(comps.source, revision)
+        return comps
+
+    def processor(self, comps: Components) -> Any:
+        """The processor of the base `comps` were loaded from."""
+        if comps.source not in self._processors:
+            self._processors[comps.source] = self.read_processor(comps.source)
+        return self._processors[comps.source]
+
+
 @register
-class QwenImageEdit(QwenImage):
+class QwenImageEdit(ProcessorFamily, QwenImage):
     """Qwen-Image-Edit (one control), -2509 and -2511 (up to three)."""
 
     name = "qwen_image_edit"
@@ -173,19 +220,6 @@ class QwenImageEdit(QwenImage):
     needs_control = True
     prompt_controls = True
     base_model_version = "qwen_image_edit"
-
-    @property
-    def pipeline_kwargs(self) -> dict[str, Any]:  # type: ignore[override]
-        """`from_pretrained` arguments: without torchvision, a tiny base's processor is a
-        custom component (`make_tiny`), which diffusers loads only when told to trust it. Only
-        a base whose model_index names the kit's own processor module is trusted: never a
-        released or downloaded model's code."""
-        if has_torchvision() or self.cfg is None:
-            return {}
-        pretrained = self.cfg.model.pretrained_model or self.hub_id
-        index = model_index(self.model_source(pretrained), self.cfg.model.revision)
-        own = (index.get("processor") or [None])[0] == IMAGE_ONLY_MODULE
-        return {"trust_remote_code": True} if own else {}
 
     modelspec_architecture = "qwen-image-edit"
 
@@ -268,28 +302,6 @@ class QwenImageEdit(QwenImage):
         return state
 
     # ------------------------------------------------------------ loading
-
-    def identity_extras(self, pretrained, revision):
-        # The processor's image settings shape the vision-language prompt, so its embeddings.
-        path = Path(config_source(pretrained)) / "processor" / "preprocessor_config.json"
-        settings = path.read_text(encoding="utf-8") if path.is_file() else ""
-        return [super().identity_extras(pretrained, revision), settings]
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        comps = super().load(
-            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
-        )
-        # The pipeline's processor (its tokenizer and image processor), kept by the source.
-        self._processors[comps.source] = load_processor(comps.source, revision)
-        return comps
-
-    def processor(self, comps: Components) -> Any:
-        """The processor of the base `comps` were loaded from (Qwen2VLProcessor)."""
-        if comps.source not in self._processors:
-            self._processors[comps.source] = load_processor(comps.source)
-        return self._processors[comps.source]
 
     # ------------------------------------------------------------ encoding
 
