@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kit.families import tiny
-from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_qwen3_vl_config
 from kit.io import atomic_dir
 
 # Qwen3-VL Instruct's template reduced to what the pipeline sends: one user turn of text, then
@@ -31,10 +31,9 @@ SHIFT = 6.93
 
 def text_encoder(tokenizer: Any) -> Any:
     """A 32-layer, 16-wide `Qwen3VLForConditionalGeneration` (the pipeline's class)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
-    config = tiny_vl_config(
-        Qwen3VLConfig,
+    config = tiny_qwen3_vl_config(
         tokenizer,
         text={
             "hidden_size": 16,
@@ -42,22 +41,9 @@ def text_encoder(tokenizer: Any) -> Any:
             "num_hidden_layers": 32,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
-            "head_dim": 8,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
-                "mrope_interleaved": True,
-            },
         },
         # A small tower, never run on text: only saved and loaded.
-        vision={
-            "deepstack_visual_indexes": [0],
-            "patch_size": 2,
-            "num_position_embeddings": 16,
-            "out_hidden_size": 16,
-        },
-        tie_word_embeddings=True,
+        vision={"patch_size": 2, "num_position_embeddings": 16, "out_hidden_size": 16},
     )
     return Qwen3VLForConditionalGeneration(config)
 

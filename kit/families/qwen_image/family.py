@@ -211,6 +211,30 @@ def tiny_vl_config(config_cls: type, tokenizer: Any, text: dict, vision: dict, *
     )
 
 
+def tiny_qwen3_vl_config(tokenizer: Any, text: dict, vision: dict) -> Any:
+    """A tiny `Qwen3VLConfig` (`tiny_vl_config`): 8-wide heads with Qwen3-VL's interleaved
+    mRoPE, one deepstack tap and tied embeddings; `text` and `vision` add each model's own
+    settings (Krea 2's, FLUX.3's and Qwen-Image 2.1's encoders)."""
+    from transformers import Qwen3VLConfig
+
+    return tiny_vl_config(
+        Qwen3VLConfig,
+        tokenizer,
+        text={
+            **text,
+            "head_dim": 8,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
+                "mrope_interleaved": True,
+            },
+        },
+        vision={"deepstack_visual_indexes": [0], **vision},
+        tie_word_embeddings=True,
+    )
+
+
 def tiny_qwen25_vl(tokenizer: Any) -> Any:
     """A two-layer `Qwen2_5_VLForConditionalGeneration` (`tiny_vl_config`)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

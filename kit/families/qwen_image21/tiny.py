@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kit.families import tiny
-from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_qwen3_vl_config
 
 SYSTEM_WORDS = ("Comprehend", "analyze", "provided", "prompt")
 """The words of the pipeline's system prompt the tiny tokenizer keeps whole."""
@@ -111,28 +111,17 @@ def image_processor() -> Any:
 def qwen3_vl(tokenizer: Any) -> Any:
     """A two-layer `Qwen3VLForConditionalGeneration` sized to `tokenizer`, its vision tower at
     the release's 16-pixel patches (it reads the references)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
-    config = tiny_vl_config(
-        Qwen3VLConfig,
+    config = tiny_qwen3_vl_config(
         tokenizer,
-        text={
-            "head_dim": 8,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
-        },
+        text={},
         vision={
-            "deepstack_visual_indexes": [0],
             "patch_size": 16,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "num_position_embeddings": 64,
         },
-        tie_word_embeddings=True,
     )
     return Qwen3VLForConditionalGeneration(config)
 
