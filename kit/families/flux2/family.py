@@ -126,6 +126,19 @@ def encode_normalised(vae: Any, pixels: torch.Tensor, generator=None) -> torch.T
     return unpatchify((patches - mean) / std)
 
 
+def check_reference_counts(family: str, cfg: Config) -> None:
+    """Refuse datasets with different reference counts in batches of more than one: a batch
+    stacks each reference's latents (FLUX.2's and FLUX.3's), so its samples need one count."""
+    # A dataset's references: its control folders, or its source's control columns.
+    counts = sorted({len(d.control_dir) + len(d.control_column) for d in cfg.data.datasets})
+    if len(counts) > 1 and cfg.train.train_batch_size > 1:
+        raise ConfigError(
+            f"datasets: their control_dir (or control_column) lists give "
+            f"{' or '.join(map(str, counts))} reference image(s) per target, but a {family} batch "
+            "takes one count: give every dataset as many controls, or set train_batch_size 1"
+        )
+
+
 def transformer_inputs(
     config: Any,
     latents: torch.Tensor,
@@ -251,17 +264,7 @@ class Flux2(FlowFamily):
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
-        # A dataset's references: its control folders, or its source's control columns.
-        counts = sorted(
-            {len(d.control_dir) + len(d.control_column) for d in self.cfg.data.datasets}
-        )
-        if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
-            # A batch stacks each reference's latents: its samples need one count of them.
-            raise ConfigError(
-                f"datasets: their control_dir (or control_column) lists give "
-                f"{' or '.join(map(str, counts))} reference image(s) per target, but a flux2 batch "
-                "takes one count: give every dataset as many controls, or set train_batch_size 1"
-            )
+        check_reference_counts(self.name, self.cfg)
 
     # ------------------------------------------------------------ variants
 

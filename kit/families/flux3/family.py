@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from kit.errors import ConfigError
 from kit.families import register
 from kit.families.exports import FamilyExports
 from kit.families.flow import FlowFamily
 from kit.families.flux2.family import (
+    check_reference_counts,
     encode_normalised,
     patchify,
     processor_chat_template,
@@ -173,15 +173,7 @@ class Flux3(FlowFamily):
 
     def __init__(self, cfg=None) -> None:
         super().__init__(cfg)
-        counts = sorted(
-            {len(d.control_dir) + len(d.control_column) for d in self.cfg.data.datasets}
-        )
-        if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
-            raise ConfigError(
-                f"datasets: their control_dir (or control_column) lists give "
-                f"{' or '.join(map(str, counts))} reference image(s) per target, but a flux3 batch "
-                "takes one count: give every dataset as many controls, or set train_batch_size 1"
-            )
+        check_reference_counts(self.name, self.cfg)
 
     # ------------------------------------------------------------ variants
 
