@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,35 +130,58 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
 '''
 
 
+def compile_class(source: str, module: str, owner: str, class_name: str) -> type:
+    """`class_name` as the module text `source` (an image-only processor) defines it,
+    compiled under the file name `module` and owned by the module named `owner`."""
+    namespace: dict[str, Any] = {"__name__": owner}
+    exec(compile(source, module, "exec"), namespace)  # noqa: S102
+    return namespace[class_name]
+
+
+def component_getattr(owner: str, class_name: str, build: Callable[[], type]) -> Any:
+    """A module `__getattr__` for the module `owner`: a pipeline the kit saves names its
+    image-only processor `class_name` as a component of it, built on first use (it imports
+    transformers); diffusers then finds how to load it by the loadable base classes this
+    "library" holds."""
+
+    def module_getattr(name: str) -> Any:
+        if name == class_name:
+            return build()
+        if name == "ProcessorMixin":
+            from transformers.processing_utils import ProcessorMixin
+
+            return ProcessorMixin
+        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+
+    return module_getattr
+
+
+def read_vl_processor(
+    class_name: str, image_only: Callable[[], type], source: str, revision: str | None
+) -> Any:
+    """The base's `processor` folder as the pipeline loads it (transformers' `class_name`);
+    without torchvision, its image processor and tokenizer as the `image_only` class."""
+    import transformers
+
+    cls = getattr(transformers, class_name) if has_torchvision() else image_only()
+    return cls.from_pretrained(source, subfolder="processor", revision=revision)
+
+
 @functools.cache
 def image_only_processor_class() -> type:
     """`ImageOnlyQwen2VLProcessor` (`IMAGE_ONLY_SOURCE`): the processor where torchvision,
     which transformers needs to build Qwen2VLProcessor, is not installed."""
-    namespace: dict[str, Any] = {"__name__": __name__}
-    exec(compile(IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, "exec"), namespace)  # noqa: S102
-    return namespace["ImageOnlyQwen2VLProcessor"]
+    return compile_class(
+        IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, __name__, "ImageOnlyQwen2VLProcessor"
+    )
 
 
-def __getattr__(name: str) -> Any:
-    # Built on first use (it imports transformers). A pipeline the kit saves names it as a
-    # component of this module; diffusers then finds how to load it by the loadable base
-    # classes this "library" holds.
-    if name == "ImageOnlyQwen2VLProcessor":
-        return image_only_processor_class()
-    if name == "ProcessorMixin":
-        from transformers.processing_utils import ProcessorMixin
-
-        return ProcessorMixin
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = component_getattr(__name__, "ImageOnlyQwen2VLProcessor", image_only_processor_class)
 
 
 def load_processor(source: str, revision: str | None = None) -> Any:
-    """The base's `processor` folder as the pipeline loads it (Qwen2VLProcessor); without
-    torchvision, its image processor and tokenizer as `ImageOnlyQwen2VLProcessor`."""
-    from transformers import Qwen2VLProcessor
-
-    cls = Qwen2VLProcessor if has_torchvision() else image_only_processor_class()
-    return cls.from_pretrained(source, subfolder="processor", revision=revision)
+    """The base's `processor` folder as the pipeline loads it (Qwen2VLProcessor)."""
+    return read_vl_processor("Qwen2VLProcessor", image_only_processor_class, source, revision)
 
 
 class ProcessorFamily:
