@@ -111,18 +111,12 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
     at the same timesteps (LTX-2's `audio_latents`): `noise_and_target` takes each as a keyword
     and returns its draw in `NoiseDraw.joint`; `predict` reads each noisy one from `cond` and
     returns `(prediction, {key: prediction})`. A `<key>_weight` (B,) weights its loss."""
-    default_guidance_scale: float = 7.5
-    """Validation guidance when the config sets none: what the family's diffusers pipeline
-    draws with by default (for guidance-distilled models, the distilled guidance input)."""
     samplers: tuple[str, ...] = (DEFAULT,)
     """The samplers (`kit.families.samplers.SAMPLERS` names) this family's pipeline can draw
     validation images with; `default` keeps the base model's own scheduler."""
     size_multiple: int = 8
     """What a drawn image's width and height must be multiples of: the VAE's factor and, for
     transformers, their patch size (pipelines refuse or silently round other sizes)."""
-    default_num_inference_steps: int = 25
-    """Validation sampler steps when the config sets none; families whose pipeline draws
-    with fewer by default (step-distilled bases) say so here."""
     image_alpha: bool = False
     """Whether the VAE reads RGBA: the cache hands `encode_images` an image with transparency as
     (4, H, W), its alpha kept; an opaque one stays (3, H, W), which the family fills as its
@@ -140,6 +134,27 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
     variants: tuple[str, ...] = ()
     """The released models this family trains, as `kit families` lists them (e.g. "dev",
     "klein 4B"); which one a base is, is read from its configs (`variant_of`)."""
+    variant_guidance: dict[str, float] = {}
+    """Validation guidance per variant, where the family's releases draw differently (a
+    step-distilled one without CFG): `default_guidance_scale` reads the configured one's."""
+    variant_steps: dict[str, int] = {}
+    """Validation sampler steps per variant, read as `variant_guidance` is."""
+    distilled_variants: dict[str, str] = {}
+    """The step-distilled variants, each with the sentence `distillation` says of it."""
+
+    @property
+    def default_guidance_scale(self) -> float:
+        """Validation guidance when the config sets none: what the family's diffusers pipeline
+        draws with by default (for guidance-distilled models, the distilled guidance input);
+        the configured variant's where the family has `variant_guidance`."""
+        return self.variant_guidance[self.configured_variant()] if self.variant_guidance else 7.5
+
+    @property
+    def default_num_inference_steps(self) -> int:
+        """Validation sampler steps when the config sets none; families whose pipeline draws
+        with fewer by default (step-distilled bases) say so here, or per variant in
+        `variant_steps`."""
+        return self.variant_steps[self.configured_variant()] if self.variant_steps else 25
 
     def __init__(self, cfg: Config | None = None) -> None:
         self.cfg = cfg if cfg is not None else Config()
@@ -172,6 +187,10 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
         """Which of `variants` the base `pretrained` is (from its configs); "" for one variant."""
         return ""
 
+    def configured_variant(self) -> str:
+        """Which of `variants` the configured base is (the hub id where none is set)."""
+        return self.variant_of(self.cfg.model.pretrained_model or self.hub_id)
+
     def quantization_refusal(self, kind: str) -> str | None:
         """Why the configured base cannot be stored as `kind` (`base_quantization`), or None."""
         return None
@@ -181,9 +200,12 @@ class Family(PartTable, FamilyExports, Drawing, ABC):
         CFG), as a sentence naming the variant; "" for a base that is not.
 
         A LoRA trained straight on such a base comes out weak or grainy: the kit says so before
-        training, and merges a `training_adapter` into the base while it trains.
+        training, and merges a `training_adapter` into the base while it trains. The default
+        reads `distilled_variants`.
         """
-        return ""
+        if not self.distilled_variants:
+            return ""
+        return self.distilled_variants.get(self.variant_of(pretrained), "")
 
     def frame_count(self, available: int) -> int:
         """The most frames (≤ available) a clip of this family may have; video families override."""

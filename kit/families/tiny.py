@@ -191,6 +191,27 @@ def flux_vae() -> Any:
     )
 
 
+def flux2_vae() -> Any:
+    """The tiny VAE of FLUX.2's layout (8 latent channels, batch-normalised per 2×2 patch),
+    which FLUX.3 uses too; its statistics are drawn away from (0, 1), so that a missed
+    normalisation shows in the tests."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(16, 32, 32, 32),
+        layers_per_block=1,
+        norm_num_groups=16,
+        latent_channels=8,
+        sample_size=64,
+    )
+    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
+    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
+    return vae
+
+
 def t5_v11_encoder(tokenizer: Any) -> Any:
     """A tiny T5 v1.1 encoder (gated GELU), 32 wide, as Flux.1 and Chroma use."""
     from transformers import T5Config, T5EncoderModel

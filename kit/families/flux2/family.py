@@ -111,6 +111,34 @@ def bn_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean.to(like.device, like.dtype), std.to(like.device, like.dtype)
 
 
+@torch.no_grad()
+def encode_normalised(vae: Any, pixels: torch.Tensor, generator=None) -> torch.Tensor:
+    """Latents of `pixels` normalised per 2×2 patch by the VAE's batch norm, as the FLUX.2 and
+    FLUX.3 pipelines make them. The pixels are laid out channels last, as the pipelines' image
+    processor hands a reference to the VAE (its HWC array transposed), so the convolutions
+    round as at inference. A copy: a batch of one already counts as channels last, yet its
+    batch stride changes the kernel."""
+    pixels = pixels.to(vae.device, vae.dtype)
+    pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
+    dist = vae.encode(pixels).latent_dist
+    patches = patchify(posterior_latent(dist, generator))
+    mean, std = bn_stats(vae, patches)
+    return unpatchify((patches - mean) / std)
+
+
+def check_reference_counts(family: str, cfg: Config) -> None:
+    """Refuse datasets with different reference counts in batches of more than one: a batch
+    stacks each reference's latents (FLUX.2's and FLUX.3's), so its samples need one count."""
+    # A dataset's references: its control folders, or its source's control columns.
+    counts = sorted({len(d.control_dir) + len(d.control_column) for d in cfg.data.datasets})
+    if len(counts) > 1 and cfg.train.train_batch_size > 1:
+        raise ConfigError(
+            f"datasets: their control_dir (or control_column) lists give "
+            f"{' or '.join(map(str, counts))} reference image(s) per target, but a {family} batch "
+            "takes one count: give every dataset as many controls, or set train_batch_size 1"
+        )
+
+
 def transformer_inputs(
     config: Any,
     latents: torch.Tensor,
@@ -236,17 +264,7 @@ class Flux2(FlowFamily):
 
     def __init__(self, cfg: Config | None = None) -> None:
         super().__init__(cfg)
-        # A dataset's references: its control folders, or its source's control columns.
-        counts = sorted(
-            {len(d.control_dir) + len(d.control_column) for d in self.cfg.data.datasets}
-        )
-        if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
-            # A batch stacks each reference's latents: its samples need one count of them.
-            raise ConfigError(
-                f"datasets: their control_dir (or control_column) lists give "
-                f"{' or '.join(map(str, counts))} reference image(s) per target, but a flux2 batch "
-                "takes one count: give every dataset as many controls, or set train_batch_size 1"
-            )
+        check_reference_counts(self.name, self.cfg)
 
     # ------------------------------------------------------------ variants
 
@@ -361,19 +379,9 @@ class Flux2(FlowFamily):
         )
         return {"prompt_embeds": embeds}
 
-    @torch.no_grad()
     def encode_images(self, comps, pixels, generator=None):
         # Differs from FlowFamily's: channels last, and normalised per 2×2 patch (BatchNorm).
-        vae = comps.vae
-        # Laid out channels last, as the pipelines' image processor hands a reference to the
-        # VAE (its HWC array transposed), so the convolutions round as at inference. A copy: a
-        # batch of one already counts as channels last, yet its batch stride changes the kernel.
-        pixels = pixels.to(vae.device, vae.dtype)
-        pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
-        dist = vae.encode(pixels).latent_dist
-        patches = patchify(posterior_latent(dist, generator))
-        mean, std = bn_stats(vae, patches)
-        return unpatchify((patches - mean) / std)
+        return encode_normalised(comps.vae, pixels, generator)
 
     # ------------------------------------------------------------ training
 

@@ -138,18 +138,7 @@ def make(out_dir: str | Path, seed: int = 0, kind: str = "dev") -> Path:
     klein = kind.startswith("klein")
     tokenizer = _qwen_tokenizer() if klein else _mistral_tokenizer()
     text_encoder = _tiny_llm(kind, tokenizer)
-    vae = diffusers.AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32),
-        layers_per_block=1,
-        norm_num_groups=16,
-        latent_channels=8,
-        sample_size=64,
-    )
-    # Statistics away from (0, 1), so that a missed normalisation shows in the tests.
-    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
-    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
+    vae = tiny.flux2_vae()
     sizes = tiny.flux_transformer_sizes(
         in_channels=32,  # 8 latent channels × a 2×2 patch
         joint_attention_dim=3 * 16,  # three stacked hidden states of the 16-wide encoder

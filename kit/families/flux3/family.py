@@ -20,12 +20,16 @@ from typing import Any
 
 import torch
 
-from kit.errors import ConfigError
 from kit.families import register
-from kit.families.base import posterior_latent
 from kit.families.exports import FamilyExports
 from kit.families.flow import FlowFamily
-from kit.families.flux2.family import bn_stats, patchify, processor_chat_template, unpatchify
+from kit.families.flux2.family import (
+    check_reference_counts,
+    encode_normalised,
+    patchify,
+    processor_chat_template,
+    unpatchify,
+)
 from kit.families.flux3 import layout as flux3_layout
 from kit.families.flux3 import tiny as flux3_tiny
 from kit.families.identity import part_config
@@ -34,10 +38,6 @@ from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
 BASE, DISTILLED = "klein base", "klein"
-STEPS = {BASE: 50, DISTILLED: 16}
-"""The blocks' default steps: `Flux3SetTimestepsStep`'s 50, the distilled blocks' 16."""
-GUIDANCE = {BASE: 3.5, DISTILLED: 1.0}
-"""`Flux3LoopDenoiser`'s CFG scale; the distilled blocks have no guider (1.0: none)."""
 PAD_MULTIPLE = 80
 """`Flux3TextEncoderStep`'s padding: each caption right-padded to a multiple of 80 tokens."""
 ROPE_SCALE = 0.5
@@ -135,6 +135,14 @@ class Flux3(FlowFamily):
     hub_id = "black-forest-labs/flux-3-image-klein-base"
     bucket_step = 64
     variants = (BASE, DISTILLED)
+    variant_steps = {BASE: 50, DISTILLED: 16}
+    """The blocks' default steps: `Flux3SetTimestepsStep`'s 50, the distilled blocks' 16."""
+    variant_guidance = {BASE: 3.5, DISTILLED: 1.0}
+    """`Flux3LoopDenoiser`'s CFG scale; the distilled blocks have no guider (1.0: none)."""
+    distilled_variants = {
+        DISTILLED: "FLUX.3 klein is step-distilled (its transformer config says flow_map: it "
+        "samples in 16 steps without CFG); FLUX.3 klein base is not"
+    }
     # Attention's q, k, v and output, and the SwiGLU's two linears, in every per-mode and joint
     # block (the per-mode blocks hold separate q, k, v; the joint ones too).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
@@ -165,15 +173,7 @@ class Flux3(FlowFamily):
 
     def __init__(self, cfg=None) -> None:
         super().__init__(cfg)
-        counts = sorted(
-            {len(d.control_dir) + len(d.control_column) for d in self.cfg.data.datasets}
-        )
-        if len(counts) > 1 and self.cfg.train.train_batch_size > 1:
-            raise ConfigError(
-                f"datasets: their control_dir (or control_column) lists give "
-                f"{' or '.join(map(str, counts))} reference image(s) per target, but a flux3 batch "
-                "takes one count: give every dataset as many controls, or set train_batch_size 1"
-            )
+        check_reference_counts(self.name, self.cfg)
 
     # ------------------------------------------------------------ variants
 
@@ -185,29 +185,8 @@ class Flux3(FlowFamily):
             name = str(pretrained).lower()
             return DISTILLED if "klein" in name and "base" not in name else BASE
 
-    def distillation(self, pretrained: str) -> str:
-        if self.variant_of(pretrained) != DISTILLED:
-            return ""
-        return (
-            "FLUX.3 klein is step-distilled (its transformer config says flow_map: it samples in "
-            "16 steps without CFG); FLUX.3 klein base is not"
-        )
-
-    def _configured(self) -> str:
-        return self.variant_of(self.cfg.model.pretrained_model or self.hub_id)
-
-    @property
-    def default_num_inference_steps(self) -> int:  # type: ignore[override]
-        """The blocks' steps for this model (`STEPS`)."""
-        return STEPS[self._configured()]
-
-    @property
-    def default_guidance_scale(self) -> float:  # type: ignore[override]
-        """The blocks' guidance for this model (`GUIDANCE`)."""
-        return GUIDANCE[self._configured()]
-
     def version_metadata(self) -> dict[str, str]:
-        variant = self._configured().replace(" ", "-")
+        variant = self.configured_variant().replace(" ", "-")
         return {**super().version_metadata(), "modelspec.architecture": f"flux-3-{variant}"}
 
     # ------------------------------------------------------------ encoding
@@ -255,18 +234,9 @@ class Flux3(FlowFamily):
         n = int(text["prompt_embeds_mask"].sum(1).max())
         return {"prompt_embeds": text["prompt_embeds"][:, :n]}
 
-    @torch.no_grad()
     def encode_images(self, comps, pixels, generator=None):
         # Normalised per 2×2 patch (the VAE's batch norm), as the pipeline's VAE step does.
-        vae = comps.vae
-        # Laid out channels last, as the image processor hands a reference to the VAE (its HWC
-        # array transposed), so that the convolutions round as at inference (FLUX.2's reason).
-        pixels = pixels.to(vae.device, vae.dtype)
-        pixels = torch.empty_like(pixels, memory_format=torch.channels_last).copy_(pixels)
-        dist = vae.encode(pixels).latent_dist
-        patches = patchify(posterior_latent(dist, generator))
-        mean, std = bn_stats(vae, patches)
-        return unpatchify((patches - mean) / std)
+        return encode_normalised(comps.vae, pixels, generator)
 
     # ------------------------------------------------------------ training
 
@@ -350,7 +320,7 @@ class Flux3(FlowFamily):
         kwargs = {**super().call_kwargs(spec), "output": "images"}  # the blocks' images alone
         if spec.control:
             kwargs["image"] = list(spec.control)
-        if self._configured() == BASE:  # the base's CFG draws against the negative prompt
+        if self.configured_variant() == BASE:  # the base's CFG draws against the negative prompt
             kwargs["negative_prompt"] = spec.negative_prompt
         return kwargs
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
+from kit.families import tiny
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_qwen3_vl_config
 from kit.io import atomic_dir
 
 # Qwen3-VL Instruct's template reduced to what the pipeline sends: one user turn of text, then
@@ -30,10 +31,9 @@ SHIFT = 6.93
 
 def text_encoder(tokenizer: Any) -> Any:
     """A 32-layer, 16-wide `Qwen3VLForConditionalGeneration` (the pipeline's class)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
-    config = tiny_vl_config(
-        Qwen3VLConfig,
+    config = tiny_qwen3_vl_config(
         tokenizer,
         text={
             "hidden_size": 16,
@@ -41,22 +41,9 @@ def text_encoder(tokenizer: Any) -> Any:
             "num_hidden_layers": 32,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
-            "head_dim": 8,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
-                "mrope_interleaved": True,
-            },
         },
         # A small tower, never run on text: only saved and loaded.
-        vision={
-            "deepstack_visual_indexes": [0],
-            "patch_size": 2,
-            "num_position_embeddings": 16,
-            "out_hidden_size": 16,
-        },
-        tie_word_embeddings=True,
+        vision={"patch_size": 2, "num_position_embeddings": 16, "out_hidden_size": 16},
     )
     return Qwen3VLForConditionalGeneration(config)
 
@@ -69,18 +56,7 @@ def make(out_dir: str | Path, seed: int = 0, distilled: bool = False) -> Path:
     tokenizer = tiny_qwen2_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     encoder = text_encoder(tokenizer)
-    vae = diffusers.AutoencoderKLFlux2(
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(16, 32, 32, 32),
-        layers_per_block=1,
-        norm_num_groups=16,
-        latent_channels=8,
-        sample_size=64,
-    )
-    # Statistics away from (0, 1), so that a missed normalisation shows in the tests.
-    vae.bn.running_mean.copy_(torch.randn(vae.bn.num_features) * 0.3)
-    vae.bn.running_var.copy_(torch.rand(vae.bn.num_features) + 0.5)
+    vae = tiny.flux2_vae()
     transformer = diffusers.Flux3Transformer2DModel(
         in_channels=32,  # 8 latent channels × a 2×2 patch
         cond_in_channels=32,

@@ -39,10 +39,6 @@ TURBO_MU = 1.15
 PIPELINE_ARGS = ("text_encoder_select_layers", "is_distilled", "patch_size")
 """Krea2Pipeline's own settings, which its `model_index.json` records."""
 RAW, TURBO = "Raw", "Turbo"
-GUIDANCE = {RAW: 4.5, TURBO: 0.0}
-STEPS = {RAW: 28, TURBO: 8}
-"""Validation guidance and steps per release, as Krea2Pipeline's docstring gives them: Raw
-(its "base (midtrain)" checkpoint) the pipeline's defaults, Turbo 8 steps without guidance."""
 
 
 @functools.lru_cache(maxsize=32)
@@ -126,6 +122,14 @@ class Krea2(FlowFamily):
     hub_id = "krea/Krea-2-Raw"  # diffusers' single-file default repository for Krea 2
     bucket_step = 64
     variants = (RAW, TURBO)
+    variant_guidance = {RAW: 4.5, TURBO: 0.0}
+    variant_steps = {RAW: 28, TURBO: 8}
+    """Validation guidance and steps per release, as Krea2Pipeline's docstring gives them: Raw
+    (its "base (midtrain)" checkpoint) the pipeline's defaults, Turbo 8 steps without guidance."""
+    distilled_variants = {
+        TURBO: "Krea 2 Turbo is step-distilled (its model_index.json says is_distilled: it "
+        "samples in about 8 steps without CFG, at a fixed time shift); Krea 2 Raw is not"
+    }
     # Every linear layer of attention (with its output gate) and of the SwiGLU, in the main
     # blocks and the text-fusion blocks: the modules both Krea's LoRA layout and ComfyUI name.
     default_lora_targets = (
@@ -165,31 +169,10 @@ class Krea2(FlowFamily):
         # No pipeline config to read (a hub id neither shipped nor downloaded): its name.
         return TURBO if "turbo" in str(pretrained).lower() else RAW
 
-    def distillation(self, pretrained: str) -> str:
-        if self.variant_of(pretrained) != TURBO:
-            return ""
-        return (
-            "Krea 2 Turbo is step-distilled (its model_index.json says is_distilled: it samples "
-            "in about 8 steps without CFG, at a fixed time shift); Krea 2 Raw is not"
-        )
-
-    def _configured(self) -> str:
-        return self.variant_of(self.cfg.model.pretrained_model or self.hub_id)
-
-    @property
-    def default_guidance_scale(self) -> float:  # type: ignore[override]
-        """Krea2Pipeline's guidance for this release: 4.5 for Raw, 0 (no CFG) for Turbo."""
-        return GUIDANCE[self._configured()]
-
-    @property
-    def default_num_inference_steps(self) -> int:  # type: ignore[override]
-        """The validation steps of this release (`STEPS`)."""
-        return STEPS[self._configured()]
-
     def version_metadata(self) -> dict[str, str]:
         return {
             **super().version_metadata(),
-            "modelspec.architecture": f"krea-2-{self._configured().lower()}",
+            "modelspec.architecture": f"krea-2-{self.configured_variant().lower()}",
         }
 
     # ------------------------------------------------------------ loading

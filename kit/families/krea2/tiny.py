@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kit.families import tiny
-from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_qwen3_vl_config
 from kit.families.shipped import config_source
 
 HUB_ID = "krea/Krea-2-Raw"
@@ -22,29 +22,14 @@ TAPS = (0, 1, 2)
 
 
 def qwen3_vl(tokenizer: Any) -> Any:
-    """A two-layer `Qwen3VLModel` (`tiny_vl_config`, with interleaved mRoPE) sized to
-    `tokenizer`."""
-    from transformers import Qwen3VLConfig, Qwen3VLModel
+    """A two-layer `Qwen3VLModel` (`tiny_qwen3_vl_config`) sized to `tokenizer`."""
+    from transformers import Qwen3VLModel
 
-    config = tiny_vl_config(
-        Qwen3VLConfig,
+    config = tiny_qwen3_vl_config(
         tokenizer,
-        text={
-            "head_dim": 8,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
-                "mrope_interleaved": True,
-            },
-        },
-        vision={
-            "deepstack_visual_indexes": [0],
-            # A small patch and position table: the tower is never run, only saved and loaded.
-            "patch_size": 2,
-            "num_position_embeddings": 16,
-        },
-        tie_word_embeddings=True,
+        text={},
+        # A small patch and position table: the tower is never run, only saved and loaded.
+        vision={"patch_size": 2, "num_position_embeddings": 16},
     )
     return Qwen3VLModel(config)
 

@@ -46,6 +46,14 @@ def encode_prompts(pipe: Any, captions: list[str], length: int) -> dict[str, tor
     """
     device = pipe.text_encoder.device
     embeds, mask = pipe.encode_prompt(captions, device=device, max_sequence_length=length)
+    return padded_prompts(embeds, mask, length)
+
+
+def padded_prompts(
+    embeds: torch.Tensor, mask: torch.Tensor | None, length: int
+) -> dict[str, torch.Tensor]:
+    """`embeds` (B, n, D) zero-padded to `length` tokens, with the mask (1 = a caption token;
+    None from the pipeline: every one) padded alike."""
     b, n, _ = embeds.shape
     if mask is None:
         mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
@@ -200,6 +208,30 @@ def tiny_vl_config(config_cls: type, tokenizer: Any, text: dict, vision: dict, *
         vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"),
         **extra,
+    )
+
+
+def tiny_qwen3_vl_config(tokenizer: Any, text: dict, vision: dict) -> Any:
+    """A tiny `Qwen3VLConfig` (`tiny_vl_config`): 8-wide heads with Qwen3-VL's interleaved
+    mRoPE, one deepstack tap and tied embeddings; `text` and `vision` add each model's own
+    settings (Krea 2's, FLUX.3's and Qwen-Image 2.1's encoders)."""
+    from transformers import Qwen3VLConfig
+
+    return tiny_vl_config(
+        Qwen3VLConfig,
+        tokenizer,
+        text={
+            **text,
+            "head_dim": 8,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [2, 1, 1],  # sums to head_dim / 2, as [24, 20, 20] to 64
+                "mrope_interleaved": True,
+            },
+        },
+        vision={"deepstack_visual_indexes": [0], **vision},
+        tie_word_embeddings=True,
     )
 
 

@@ -29,25 +29,22 @@ verified by its loading rules.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kit.errors import ConfigError, DataError
 from kit.families import register
-from kit.families.base import PARTS, Components
 from kit.families.flow import FlowFamily
 from kit.families.flux2.family import model_index
 from kit.families.parts import Part, denoiser, scheduler, vae
+from kit.families.qwen_image.family import padded_prompts
 from kit.families.qwen_image21 import tiny as tiny21
+from kit.families.qwen_image_edit.family import ProcessorFamily
 from kit.families.samplers import DEFAULT
 from kit.families.shipped import config_source
 
 BASE, TURBO = "Qwen-Image-2.1", "Qwen-Image-2.1-Turbo"
-STEPS = {BASE: 40, TURBO: 8}
-"""Validation steps: QwenImage21Pipeline's default (40); Turbo's modular pipeline default (8,
-its `sample_sigmas` decide the count when the base ships them)."""
 VAE_FACTOR = 16
 """The VAE's spatial factor: the pipeline's `vae_scale_factor`."""
 REFERENCE_AREA = 1024 * 1024
@@ -104,7 +101,7 @@ def transformer_inputs(
 
 
 @register
-class QwenImage21(FlowFamily):
+class QwenImage21(ProcessorFamily, FlowFamily):
     """Qwen-Image 2.1 and its Turbo (one architecture; Turbo ships a few-step sampling grid)."""
 
     name = "qwen_image21"
@@ -117,6 +114,15 @@ class QwenImage21(FlowFamily):
     hub_id = "Qwen/Qwen-Image-2.1"  # the pipeline's example; diffusers' single-file default
     bucket_step = 64
     variants = (BASE, TURBO)
+    image_only_module = tiny21.IMAGE_ONLY_MODULE
+    read_processor = staticmethod(tiny21.load_processor)  # its Qwen3VLProcessor
+    variant_steps = {BASE: 40, TURBO: 8}
+    """QwenImage21Pipeline's default (40); Turbo's modular pipeline default (8, its
+    `sample_sigmas` decide the count when the base ships them)."""
+    distilled_variants = {
+        TURBO: "Qwen-Image 2.1 Turbo is step-distilled (its model_index.json ships "
+        "sample_sigmas, a few-step grid it samples without guidance); Qwen-Image 2.1 is not"
+    }
     default_max_sequence_length = MAX_SEQUENCE_LENGTH
     default_guidance_scale = 1.0  # `true_cfg_scale`: the model samples without guidance
     # Attention and the SwiGLU of every block (the pipeline's LoRA loader maps any module).
@@ -170,51 +176,7 @@ class QwenImage21(FlowFamily):
             return TURBO if found.get("sample_sigmas") else BASE
         return TURBO if "turbo" in str(pretrained).lower() else BASE
 
-    def distillation(self, pretrained: str) -> str:
-        if self.variant_of(pretrained) != TURBO:
-            return ""
-        return (
-            "Qwen-Image 2.1 Turbo is step-distilled (its model_index.json ships sample_sigmas, "
-            "a few-step grid it samples without guidance); Qwen-Image 2.1 is not"
-        )
-
-    @property
-    def default_num_inference_steps(self) -> int:  # type: ignore[override]
-        """The validation steps of this release (`STEPS`)."""
-        return STEPS[self.variant_of(self.cfg.model.pretrained_model or self.hub_id)]
-
     # ------------------------------------------------------------ loading
-
-    @property
-    def pipeline_kwargs(self) -> dict[str, Any]:  # type: ignore[override]
-        """A tiny base made without torchvision names the kit's own image-only processor, which
-        diffusers loads only when trusted; no released model's code is ever trusted."""
-        if tiny21.has_torchvision() or self.cfg is None:
-            return {}
-        pretrained = self.cfg.model.pretrained_model or self.hub_id
-        index = model_index(self.model_source(pretrained), self.cfg.model.revision)
-        own = (index.get("processor") or [None])[0] == tiny21.IMAGE_ONLY_MODULE
-        return {"trust_remote_code": True} if own else {}
-
-    def identity_extras(self, pretrained, revision):
-        # The processor's image settings shape the vision-language prompt, so its embeddings.
-        path = Path(config_source(pretrained)) / "processor" / "preprocessor_config.json"
-        settings = path.read_text(encoding="utf-8") if path.is_file() else ""
-        return [super().identity_extras(pretrained, revision), settings]
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        comps = super().load(
-            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
-        )
-        self._processors[comps.source] = tiny21.load_processor(comps.source, revision)
-        return comps
-
-    def processor(self, comps: Components) -> Any:
-        if comps.source not in self._processors:
-            self._processors[comps.source] = tiny21.load_processor(comps.source)
-        return self._processors[comps.source]
 
     def token_limit(self, encoder, tokenizer):
         return self.max_sequence_length()
@@ -252,20 +214,16 @@ class QwenImage21(FlowFamily):
     def _padded(self, encoded: tuple, slots: int) -> dict[str, torch.Tensor]:
         embeds, mask, image_slots = encoded
         length = self.max_sequence_length() + slots
-        b, n, _ = embeds.shape
+        n = embeds.shape[1]
         if n > length:
             raise DataError(
                 f"a caption takes {n - slots} tokens, more than max_sequence_length "
                 f"({self.max_sequence_length()}); the pipeline cuts none, so shorten it or "
                 "raise max_sequence_length"
             )
-        if mask is None:
-            mask = torch.ones(b, n, dtype=torch.long, device=embeds.device)
-        pad = length - n
         return {
-            "prompt_embeds": torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
-            "prompt_embeds_mask": torch.nn.functional.pad(mask, (0, pad)),
-            "image_pad_mask": torch.nn.functional.pad(image_slots, (0, pad)),
+            **padded_prompts(embeds, mask, length),
+            "image_pad_mask": torch.nn.functional.pad(image_slots, (0, length - n)),
         }
 
     def control_size(self, width: int, height: int) -> tuple[int, int]:

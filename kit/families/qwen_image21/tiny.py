@@ -18,7 +18,13 @@ from typing import Any
 import torch
 
 from kit.families import tiny
-from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_vl_config
+from kit.families.qwen_image.family import tiny_qwen2_tokenizer, tiny_qwen3_vl_config
+from kit.families.qwen_image_edit.family import (
+    compile_class,
+    component_getattr,
+    has_torchvision,
+    read_vl_processor,
+)
 
 SYSTEM_WORDS = ("Comprehend", "analyze", "provided", "prompt")
 """The words of the pipeline's system prompt the tiny tokenizer keeps whole."""
@@ -56,39 +62,20 @@ class ImageOnlyQwen3VLProcessor(Qwen3VLProcessor):
 '''
 
 
-def has_torchvision() -> bool:
-    """Whether transformers can build Qwen3VLProcessor (its video part needs torchvision)."""
-    import importlib.util
-
-    return importlib.util.find_spec("torchvision") is not None
-
-
 @functools.cache
 def image_only_processor_class() -> type:
     """`ImageOnlyQwen3VLProcessor` (`IMAGE_ONLY_SOURCE`)."""
-    namespace: dict[str, Any] = {"__name__": __name__}
-    exec(compile(IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, "exec"), namespace)  # noqa: S102
-    return namespace["ImageOnlyQwen3VLProcessor"]
+    return compile_class(
+        IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, __name__, "ImageOnlyQwen3VLProcessor"
+    )
 
 
-def __getattr__(name: str) -> Any:
-    # A pipeline saved with the image-only processor names it as a component of this module.
-    if name == "ImageOnlyQwen3VLProcessor":
-        return image_only_processor_class()
-    if name == "ProcessorMixin":
-        from transformers.processing_utils import ProcessorMixin
-
-        return ProcessorMixin
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = component_getattr(__name__, "ImageOnlyQwen3VLProcessor", image_only_processor_class)
 
 
 def load_processor(source: str, revision: str | None = None) -> Any:
-    """The base's `processor` folder as the pipeline loads it (Qwen3VLProcessor); without
-    torchvision, its image processor and tokenizer as `ImageOnlyQwen3VLProcessor`."""
-    from transformers import Qwen3VLProcessor
-
-    cls = Qwen3VLProcessor if has_torchvision() else image_only_processor_class()
-    return cls.from_pretrained(source, subfolder="processor", revision=revision)
+    """The base's `processor` folder as the pipeline loads it (Qwen3VLProcessor)."""
+    return read_vl_processor("Qwen3VLProcessor", image_only_processor_class, source, revision)
 
 
 def image_processor() -> Any:
@@ -111,28 +98,17 @@ def image_processor() -> Any:
 def qwen3_vl(tokenizer: Any) -> Any:
     """A two-layer `Qwen3VLForConditionalGeneration` sized to `tokenizer`, its vision tower at
     the release's 16-pixel patches (it reads the references)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
-    config = tiny_vl_config(
-        Qwen3VLConfig,
+    config = tiny_qwen3_vl_config(
         tokenizer,
-        text={
-            "head_dim": 8,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
-        },
+        text={},
         vision={
-            "deepstack_visual_indexes": [0],
             "patch_size": 16,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "num_position_embeddings": 64,
         },
-        tie_word_embeddings=True,
     )
     return Qwen3VLForConditionalGeneration(config)
 

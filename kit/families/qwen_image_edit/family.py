@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,39 +130,109 @@ class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
 '''
 
 
+def compile_class(source: str, module: str, owner: str, class_name: str) -> type:
+    """`class_name` as the module text `source` (an image-only processor) defines it,
+    compiled under the file name `module` and owned by the module named `owner`."""
+    namespace: dict[str, Any] = {"__name__": owner}
+    exec(compile(source, module, "exec"), namespace)  # noqa: S102
+    return namespace[class_name]
+
+
+def component_getattr(owner: str, class_name: str, build: Callable[[], type]) -> Any:
+    """A module `__getattr__` for the module `owner`: a pipeline the kit saves names its
+    image-only processor `class_name` as a component of it, built on first use (it imports
+    transformers); diffusers then finds how to load it by the loadable base classes this
+    "library" holds."""
+
+    def module_getattr(name: str) -> Any:
+        if name == class_name:
+            return build()
+        if name == "ProcessorMixin":
+            from transformers.processing_utils import ProcessorMixin
+
+            return ProcessorMixin
+        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+
+    return module_getattr
+
+
+def read_vl_processor(
+    class_name: str, image_only: Callable[[], type], source: str, revision: str | None
+) -> Any:
+    """The base's `processor` folder as the pipeline loads it (transformers' `class_name`);
+    without torchvision, its image processor and tokenizer as the `image_only` class."""
+    import transformers
+
+    cls = getattr(transformers, class_name) if has_torchvision() else image_only()
+    return cls.from_pretrained(source, subfolder="processor", revision=revision)
+
+
 @functools.cache
 def image_only_processor_class() -> type:
     """`ImageOnlyQwen2VLProcessor` (`IMAGE_ONLY_SOURCE`): the processor where torchvision,
     which transformers needs to build Qwen2VLProcessor, is not installed."""
-    namespace: dict[str, Any] = {"__name__": __name__}
-    exec(compile(IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, "exec"), namespace)  # noqa: S102
-    return namespace["ImageOnlyQwen2VLProcessor"]
+    return compile_class(
+        IMAGE_ONLY_SOURCE, IMAGE_ONLY_MODULE, __name__, "ImageOnlyQwen2VLProcessor"
+    )
 
 
-def __getattr__(name: str) -> Any:
-    # Built on first use (it imports transformers). A pipeline the kit saves names it as a
-    # component of this module; diffusers then finds how to load it by the loadable base
-    # classes this "library" holds.
-    if name == "ImageOnlyQwen2VLProcessor":
-        return image_only_processor_class()
-    if name == "ProcessorMixin":
-        from transformers.processing_utils import ProcessorMixin
-
-        return ProcessorMixin
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = component_getattr(__name__, "ImageOnlyQwen2VLProcessor", image_only_processor_class)
 
 
 def load_processor(source: str, revision: str | None = None) -> Any:
-    """The base's `processor` folder as the pipeline loads it (Qwen2VLProcessor); without
-    torchvision, its image processor and tokenizer as `ImageOnlyQwen2VLProcessor`."""
-    from transformers import Qwen2VLProcessor
+    """The base's `processor` folder as the pipeline loads it (Qwen2VLProcessor)."""
+    return read_vl_processor("Qwen2VLProcessor", image_only_processor_class, source, revision)
 
-    cls = Qwen2VLProcessor if has_torchvision() else image_only_processor_class()
-    return cls.from_pretrained(source, subfolder="processor", revision=revision)
+
+class ProcessorFamily:
+    """What a family whose captions a vision-language processor reads with images adds to its
+    base class (listed before it): the processor loaded beside the parts and kept per base, its
+    image settings in the cache identity, and trust for a tiny base's own image-only processor
+    (Qwen-Image-Edit's Qwen2VLProcessor, Qwen-Image 2.1's Qwen3VLProcessor)."""
+
+    image_only_module = IMAGE_ONLY_MODULE
+    """The module a tiny base made without torchvision names for its processor."""
+    read_processor = staticmethod(load_processor)
+    """The base's processor as its pipeline loads it: (source, revision) → processor."""
+
+    @property
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """`from_pretrained` arguments: without torchvision, a tiny base's processor is a
+        custom component (`make_tiny`), which diffusers loads only when told to trust it. Only
+        a base whose model_index names the kit's own processor module is trusted: never a
+        released or downloaded model's code."""
+        if has_torchvision() or self.cfg is None:
+            return {}
+        pretrained = self.cfg.model.pretrained_model or self.hub_id
+        index = model_index(self.model_source(pretrained), self.cfg.model.revision)
+        own = (index.get("processor") or [None])[0] == self.image_only_module
+        return {"trust_remote_code": True} if own else {}
+
+    def identity_extras(self, pretrained, revision):
+        # The processor's image settings shape the vision-language prompt, so its embeddings.
+        path = Path(config_source(pretrained)) / "processor" / "preprocessor_config.json"
+        settings = path.read_text(encoding="utf-8") if path.is_file() else ""
+        return [super().identity_extras(pretrained, revision), settings]
+
+    def load(
+        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
+    ) -> Components:
+        comps = super().load(
+            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
+        )
+        # The pipeline's processor (its tokenizer and image processor), kept by the source.
+        self._processors[comps.source] = self.read_processor(comps.source, revision)
+        return comps
+
+    def processor(self, comps: Components) -> Any:
+        """The processor of the base `comps` were loaded from."""
+        if comps.source not in self._processors:
+            self._processors[comps.source] = self.read_processor(comps.source)
+        return self._processors[comps.source]
 
 
 @register
-class QwenImageEdit(QwenImage):
+class QwenImageEdit(ProcessorFamily, QwenImage):
     """Qwen-Image-Edit (one control), -2509 and -2511 (up to three)."""
 
     name = "qwen_image_edit"
@@ -173,19 +244,6 @@ class QwenImageEdit(QwenImage):
     needs_control = True
     prompt_controls = True
     base_model_version = "qwen_image_edit"
-
-    @property
-    def pipeline_kwargs(self) -> dict[str, Any]:  # type: ignore[override]
-        """`from_pretrained` arguments: without torchvision, a tiny base's processor is a
-        custom component (`make_tiny`), which diffusers loads only when told to trust it. Only
-        a base whose model_index names the kit's own processor module is trusted: never a
-        released or downloaded model's code."""
-        if has_torchvision() or self.cfg is None:
-            return {}
-        pretrained = self.cfg.model.pretrained_model or self.hub_id
-        index = model_index(self.model_source(pretrained), self.cfg.model.revision)
-        own = (index.get("processor") or [None])[0] == IMAGE_ONLY_MODULE
-        return {"trust_remote_code": True} if own else {}
 
     modelspec_architecture = "qwen-image-edit"
 
@@ -268,28 +326,6 @@ class QwenImageEdit(QwenImage):
         return state
 
     # ------------------------------------------------------------ loading
-
-    def identity_extras(self, pretrained, revision):
-        # The processor's image settings shape the vision-language prompt, so its embeddings.
-        path = Path(config_source(pretrained)) / "processor" / "preprocessor_config.json"
-        settings = path.read_text(encoding="utf-8") if path.is_file() else ""
-        return [super().identity_extras(pretrained, revision), settings]
-
-    def load(
-        self, pretrained, *, revision=None, variant=None, dtype=torch.float32, parts=PARTS
-    ) -> Components:
-        comps = super().load(
-            pretrained, revision=revision, variant=variant, dtype=dtype, parts=parts
-        )
-        # The pipeline's processor (its tokenizer and image processor), kept by the source.
-        self._processors[comps.source] = load_processor(comps.source, revision)
-        return comps
-
-    def processor(self, comps: Components) -> Any:
-        """The processor of the base `comps` were loaded from (Qwen2VLProcessor)."""
-        if comps.source not in self._processors:
-            self._processors[comps.source] = load_processor(comps.source)
-        return self._processors[comps.source]
 
     # ------------------------------------------------------------ encoding
 

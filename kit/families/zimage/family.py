@@ -26,12 +26,6 @@ if TYPE_CHECKING:
 TURBO_SHIFT = 3.0
 """The σ shift of Z-Image Turbo's released scheduler config; the base Z-Image ships 6.0."""
 TURBO, BASE = "Turbo", "base"
-GUIDANCE = {TURBO: 0.0, BASE: 5.0}
-STEPS = {TURBO: 9, BASE: 50}
-"""Sampler steps per variant: Turbo's model card draws in 9 (8 denoiser passes), the base
-takes ZImagePipeline's default."""
-"""Validation guidance per variant: Turbo samples without CFG (guidance 0, as its model card and
-ZImagePipeline's example call it); the base takes the pipeline's own default, 5.0."""
 
 # The Qwen3 chat template's result for one user message with a generation prompt, as
 # `ZImagePipeline._encode_prompt` applies it (`enable_thinking=True` adds no think block).
@@ -119,6 +113,16 @@ class ZImage(FlowFamily):
     client_versions = {"ComfyUI": zimage_layout.COMFYUI_SINCE}
     client_title = "Z-Image"
     variants = (TURBO, BASE)
+    variant_guidance = {TURBO: 0.0, BASE: 5.0}
+    """Turbo samples without CFG (guidance 0, as its model card and ZImagePipeline's example
+    call it); the base takes the pipeline's own default, 5.0."""
+    variant_steps = {TURBO: 9, BASE: 50}
+    """Turbo's model card draws in 9 (8 denoiser passes); the base takes ZImagePipeline's
+    default."""
+    distilled_variants = {
+        TURBO: "Z-Image Turbo is step-distilled: it samples in about 8 steps without "
+        "classifier-free guidance (its scheduler's shift 3.0 marks it; the base Z-Image ships 6.0)"
+    }
 
     # ------------------------------------------------------------ variants
 
@@ -136,26 +140,8 @@ class ZImage(FlowFamily):
             return TURBO if "turbo" in pretrained.lower() else BASE
         return TURBO if math.isclose(float(saved.get("shift", 1.0)), TURBO_SHIFT) else BASE
 
-    def distillation(self, pretrained: str) -> str:
-        if self.variant_of(pretrained) != TURBO:
-            return ""
-        return (
-            "Z-Image Turbo is step-distilled: it samples in about 8 steps without classifier-free "
-            "guidance (its scheduler's shift 3.0 marks it; the base Z-Image ships 6.0)"
-        )
-
-    @property
-    def default_guidance_scale(self) -> float:  # type: ignore[override]
-        """ZImagePipeline's guidance for this variant: 0 (no CFG) for Turbo, 5 for the base."""
-        return GUIDANCE[self.variant_of(self.cfg.model.pretrained_model or self.hub_id)]
-
-    @property
-    def default_num_inference_steps(self) -> int:  # type: ignore[override]
-        """The validation steps of this variant (`STEPS`)."""
-        return STEPS[self.variant_of(self.cfg.model.pretrained_model or self.hub_id)]
-
     def version_metadata(self) -> dict[str, str]:
-        turbo = self.variant_of(self.cfg.model.pretrained_model or self.hub_id) == TURBO
+        turbo = self.configured_variant() == TURBO
         return {
             **super().version_metadata(),
             "modelspec.architecture": "z-image-turbo" if turbo else "z-image",
