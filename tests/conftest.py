@@ -52,8 +52,9 @@ TINY_CACHE = Path(os.environ.get("KIT_TEST_CACHE", ROOT / ".cache" / "tests"))
 
 
 def builder_hash(name: str) -> str:
-    """A key for family `name`'s tiny base: the sources that build it (its folder and the
-    shared family modules) and the versions of the libraries that write it."""
+    """A key for family `name`'s tiny base: the sources that may build it (every family module:
+    a builder may import another family's pieces) and the versions of the libraries that write
+    it."""
     import hashlib
     from importlib.metadata import version
 
@@ -61,7 +62,7 @@ def builder_hash(name: str) -> str:
     digest = hashlib.sha256()
     for lib in ("torch", "diffusers", "transformers", "tokenizers", "safetensors"):
         digest.update(f"{lib}={version(lib)};".encode())
-    for path in sorted([*families.glob("*.py"), *(families / name).rglob("*.py")]):
+    for path in sorted(families.rglob("*.py")):
         digest.update(str(path.relative_to(families)).encode() + path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -197,7 +197,12 @@ def test_each_family_samples_with_its_pipelines_default_guidance(name):
     # a pipeline whose `guidance_scale` is a distilled model's input (Qwen-Image).
     probe = family.call_kwargs(ImageSpec("a cat", "", 0, 1, 1.0, 64, 64))
     kwarg = "true_cfg_scale" if "true_cfg_scale" in probe else "guidance_scale"
-    default = inspect.signature(pipeline.__call__).parameters[kwarg].default
+    parameters = inspect.signature(pipeline.__call__).parameters
+    if kwarg not in parameters:
+        pytest.skip(
+            f"{family.pipeline_class} takes its defaults from its blocks (see its family's tests)"
+        )
+    default = parameters[kwarg].default
     assert family.default_guidance_scale == default
     spec = image_specs(family.cfg, family, ["a cat"])[0]
     assert spec.guidance_scale == default
@@ -295,7 +300,14 @@ def test_encode_images_draws_a_seeded_posterior_sample_on_request(name, tiny_bas
         again = family.encode_images(comps, pixels, torch.Generator().manual_seed(7))
         other = family.encode_images(comps, pixels, torch.Generator().manual_seed(8))
         # A 3D (video) VAE encodes images as one-frame clips (Wan's, Qwen-Image's).
-        frames = pixels.ndim == 4 and (family.video or comps.vae.encoder.conv_in.weight.ndim == 5)
+        frames = pixels.ndim == 4 and (
+            family.video
+            or getattr(family, "vae_frames", False)
+            or comps.vae.encoder.conv_in.weight.ndim == 5
+        )
+        # An RGBA VAE (Qwen-Image 2.1) reads an RGB image as opaque, as the family feeds it.
+        if comps.vae.config.get("in_channels", 3) == 4 and pixels.shape[1] == 3:
+            pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
         dist = comps.vae.encode(pixels.unsqueeze(2) if frames else pixels).latent_dist
     assert torch.equal(one, again) and not torch.equal(one, other)
     assert one.shape == mean.shape
