@@ -186,3 +186,19 @@ def fused_lora_modules(
         if set(parts) != {"A", "B"}:
             raise KitError(f"{module}: LoRA weights need both lora_A and lora_B")
     return modules
+
+
+def linear_lora_pairs(
+    peft_state: dict[str, torch.Tensor], layout: str
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(module, down, up) of each module of `fused_lora_modules`, sorted by module; a pair that
+    is not a Linear's (2-D, ranks agreeing) is refused naming the module."""
+    pairs = []
+    for module, parts in sorted(fused_lora_modules(peft_state, layout).items()):
+        down, up = parts["A"], parts["B"]
+        if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
+            raise KitError(
+                f"{module}: LoRA shapes {tuple(down.shape)} / {tuple(up.shape)} are not a Linear's"
+            )
+        pairs.append((module, down, up))
+    return pairs

@@ -312,14 +312,7 @@ def kohya_lora(
     # Original module → its parts: (row offset, down, up, the part's rank in peft's scale).
     groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, int]]] = defaultdict(list)
     heights: dict[str, int | None] = {}
-    for module, parts in sorted(
-        adapter_keys.fused_lora_modules(peft_state, "the fused Flux layout").items()
-    ):
-        down, up = parts["A"], parts["B"]
-        if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
-            raise KitError(
-                f"{module}: LoRA shapes {tuple(down.shape)} / {tuple(up.shape)} are not a Linear's"
-            )
+    for module, down, up in adapter_keys.linear_lora_pairs(peft_state, "the fused Flux layout"):
         inner = down.shape[1]
         located = locate(module, inner, up.shape[0])
         if located is None:

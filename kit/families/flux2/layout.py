@@ -202,14 +202,7 @@ def kohya_lora(peft_state: Mapping[str, torch.Tensor], alpha: float) -> dict[str
     each part's scale (a part of another rank carries the difference in its up block).
     """
     groups: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = defaultdict(list)
-    for module, parts in sorted(
-        adapter_keys.fused_lora_modules(peft_state, "FLUX.2's fused qkv").items()
-    ):
-        down, up = parts["A"], parts["B"]
-        if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
-            raise KitError(
-                f"{module}: LoRA shapes {tuple(down.shape)} / {tuple(up.shape)} are not a Linear's"
-            )
+    for module, down, up in adapter_keys.linear_lora_pairs(peft_state, "FLUX.2's fused qkv"):
         located = locate(module)
         if located is None:
             raise KitError(f"{module}: not a FLUX.2 transformer Linear the original layout holds")
