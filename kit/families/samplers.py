@@ -104,6 +104,9 @@ DDPM_SAMPLERS = (
 """The samplers of DDPM families (a family's `samplers` attribute)."""
 FLOW_SAMPLERS = (DEFAULT, "flow_euler", "flow_heun", "flow_unipc", "flow_dpm++_2m")
 """The samplers of flow-matching families whose pipeline takes any of them."""
+CUSTOM_SIGMA_SAMPLERS = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+"""The flow samplers of pipelines that hand the scheduler custom sigmas (Flux's, FLUX.2's),
+which the flow Heun scheduler's `set_timesteps` cannot take."""
 
 
 def samplers_for(family: str) -> tuple[str, ...]:
@@ -247,6 +250,7 @@ __all__ = [
     "Clip",
     "DEFAULT",
     "DDPM_SAMPLERS",
+    "CUSTOM_SIGMA_SAMPLERS",
     "FLOW_SAMPLERS",
     "SAMPLERS",
     "ImageSpec",

@@ -18,7 +18,7 @@ from kit.families.flow import JOINT_ATTENTION, FlowFamily
 from kit.families.flux import layout as flux_layout
 from kit.families.identity import part_config
 from kit.families.parts import denoiser, scheduler, text, vae
-from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.samplers import CUSTOM_SIGMA_SAMPLERS
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
@@ -47,8 +47,7 @@ class Flux(FlowFamily):
 
     name = "flux"
     bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
-    # FluxPipeline passes custom sigmas, which the flow Heun scheduler cannot take.
-    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    samplers = CUSTOM_SIGMA_SAMPLERS
     size_multiple = 16
     native_resolution = 1024
     hub_id = "black-forest-labs/FLUX.1-dev"

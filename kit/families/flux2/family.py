@@ -28,7 +28,7 @@ from kit.families.flux2 import layout as flux2_layout
 from kit.families.flux2 import tiny as flux2_tiny
 from kit.families.identity import part_config
 from kit.families.parts import denoiser, scheduler, text, vae
-from kit.families.samplers import FLOW_SAMPLERS
+from kit.families.samplers import CUSTOM_SIGMA_SAMPLERS
 from kit.families.shipped import config_source
 
 if TYPE_CHECKING:
@@ -234,8 +234,7 @@ class Flux2(FlowFamily):
     name = "flux2"
     scale_kwarg = "attention_kwargs"
     bucket_multiple = 16  # packing needs an even latent side: 2 × the VAE's 8x
-    # The pipelines hand the scheduler custom sigmas (and mu), which flow Heun cannot take.
-    samplers = tuple(s for s in FLOW_SAMPLERS if s != "flow_heun")
+    samplers = CUSTOM_SIGMA_SAMPLERS
     size_multiple = 16
     native_resolution = 1024
     hub_id = "black-forest-labs/FLUX.2-dev"
