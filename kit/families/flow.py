@@ -48,6 +48,9 @@ class FlowFamily(Family):
     """Text tokens per caption when the config sets none: the pipeline's own default."""
     scale_kwarg: str = "joint_attention_kwargs"
     """The pipeline call's keyword that takes the adapter scale (`{"scale": s}`)."""
+    lora_layers_kwarg = (
+        "transformer_lora_layers"  # what every DiT pipeline's save_lora_weights takes
+    )
     objective = "flow"
     mu_defaults: tuple[int, int, float, float] = (256, 4096, 0.5, 1.15)
     """What the pipeline's `calculate_shift` takes where the scheduler config names none:

@@ -47,9 +47,6 @@ class Chroma(FlowFamily):
     default_guidance_scale = 5.0
     default_num_inference_steps = 35  # ChromaPipeline's default
     pipeline_kwargs: dict[str, Any] = {}
-    lora_layers_kwarg = (
-        "transformer_lora_layers"  # FluxLoraLoaderMixin's, which ChromaPipeline uses
-    )
     # No text-encoder adapters: the only encoder is T5-XXL, whose LoRA no client's Chroma loader
     # is checked to read here.
     kohya_text_prefixes = ()

@@ -59,7 +59,6 @@ class Flux(FlowFamily):
     default_guidance_scale = 3.5
     default_train_guidance_scale = 3.5
     pipeline_kwargs: dict[str, Any] = {}
-    lora_layers_kwarg = "transformer_lora_layers"
     # CLIP-L only: FluxPipeline loads no LoRA into T5 (sd-scripts would name it lora_te3).
     kohya_text_prefixes = ("lora_te1",)
     base_model_version = "flux1"  # sd-scripts' value

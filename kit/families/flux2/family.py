@@ -247,7 +247,6 @@ class Flux2(FlowFamily):
     # The guidance fed to dev in training: its pipeline's default (diffusers' FLUX.2 LoRA script
     # keeps FLUX.1's 3.5 as its `--guidance_scale` default; `train_guidance_scale` sets either).
     default_train_guidance_scale = 4.0
-    lora_layers_kwarg = "transformer_lora_layers"
     # Flux2LoraLoaderMixin loads LoRA into the transformer only.
     kohya_text_prefixes = ()
     diffusers_reads_kohya = True  # `_convert_kohya_flux2_lora_to_diffusers`

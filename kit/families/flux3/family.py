@@ -147,7 +147,6 @@ class Flux3(FlowFamily):
     # block (the per-mode blocks hold separate q, k, v; the joint ones too).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "linear_in", "linear_out")
     pipeline_class = "Flux3ModularPipeline"
-    lora_layers_kwarg = "transformer_lora_layers"
     kohya_text_prefixes = ()  # Flux3LoraLoaderMixin loads LoRA into the transformer only
     base_model_version = "flux3"
     modelspec_architecture = "flux-3-klein-base"

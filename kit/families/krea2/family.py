@@ -144,7 +144,6 @@ class Krea2(FlowFamily):
     )
     pipeline_class = "Krea2Pipeline"
     pipeline_kwargs: dict[str, Any] = {}
-    lora_layers_kwarg = "transformer_lora_layers"
     # The "kohya" file is Krea's own LoRA layout (krea2_layout.LORA_PREFIX says why).
     kohya_prefix = krea2_layout.LORA_PREFIX
     # Krea2Pipeline loads LoRA into the transformer only (`_lora_loadable_modules`).

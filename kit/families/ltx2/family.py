@@ -56,7 +56,6 @@ class LTX2(FlowFamily):
     # feed-forwards: diffusers' LTX-2 LoRA examples adapt the attention projections.
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     pipeline_class = "LTX2Pipeline"
-    lora_layers_kwarg = "transformer_lora_layers"
     default_guidance_scale = 3.0  # LTX2Pipeline's default
     default_num_inference_steps = 30
     default_max_sequence_length = 1024  # Gemma tokens LTX2Pipeline pads every prompt to

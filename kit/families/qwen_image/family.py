@@ -294,7 +294,6 @@ class QwenImage(FlowFamily):
     default_lora_targets = JOINT_ATTENTION
     pipeline_class = "QwenImagePipeline"
     default_guidance_scale = 4.0  # QwenImagePipeline's `true_cfg_scale`
-    lora_layers_kwarg = "transformer_lora_layers"
     # QwenImagePipeline loads LoRA into the transformer only (`_lora_loadable_modules`).
     kohya_text_prefixes = ()
     # `lora_unet_<path with _>` as musubi-tuner writes Qwen-Image LoRA: ComfyUI's generic rule

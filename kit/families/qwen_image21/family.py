@@ -128,7 +128,6 @@ class QwenImage21(ProcessorFamily, FlowFamily):
     # Attention and the SwiGLU of every block (the pipeline's LoRA loader maps any module).
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0", "proj", "gate_layer", "out")
     pipeline_class = "QwenImage21Pipeline"
-    lora_layers_kwarg = "transformer_lora_layers"
     kohya_text_prefixes = ()
     base_model_version = "qwen_image21"
     modelspec_architecture = "qwen-image-2.1"

@@ -35,7 +35,6 @@ class SD3(FlowFamily):
     default_lora_targets = JOINT_ATTENTION
     pipeline_class = "StableDiffusion3Pipeline"
     default_guidance_scale = 7.0  # StableDiffusion3Pipeline's default
-    lora_layers_kwarg = "transformer_lora_layers"
     # The two CLIPs: StableDiffusion3Pipeline loads no LoRA into T5 (sd-scripts: lora_te3).
     kohya_text_prefixes = ("lora_te1", "lora_te2")
     base_model_version = "sd3"

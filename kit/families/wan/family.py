@@ -63,7 +63,6 @@ class Wan(FlowFamily):
     default_lora_targets = ATTENTION
     pipeline_class = "WanPipeline"
     default_guidance_scale = 5.0  # WanPipeline's default
-    lora_layers_kwarg = "transformer_lora_layers"
     # ComfyUI reads Wan LoRA only under the original module names (`blocks.0.self_attn.q`), as
     # musubi-tuner writes them: the kohya file; diffusers reads the diffusers one.
     export_formats = ("diffusers", "kohya")

@@ -99,7 +99,6 @@ class ZImage(FlowFamily):
     default_lora_targets = (*ATTENTION, "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
     pipeline_class = "ZImagePipeline"
     pipeline_kwargs: dict[str, Any] = {}
-    lora_layers_kwarg = "transformer_lora_layers"
     # The "kohya" file: diffusers module names under `diffusion_model.`, which both ComfyUI and
     # diffusers' Z-Image converter read in full (zimage_layout.LORA_PREFIX says why no other).
     kohya_prefix = zimage_layout.LORA_PREFIX
