@@ -44,7 +44,7 @@ def denoising_loss(
     joint = {k: batch.pop(k) for k in getattr(family, "joint_latents", ())}  # stubs have none
     joint_weight = {k: batch.pop(f"{k}_weight", None) for k in joint}
     draw = family.noise_and_target(comps, latents, generator, **joint)
-    batch.update({k: d.noisy for k, d in draw.joint.items()})  # what `predict` reads
+    batch.update({k: d.noisy for k, d in getattr(draw, "joint", {}).items()})  # `predict` reads
     if drawn is not None and draw.part:
         drawn[draw.part] = drawn.get(draw.part, 0) + 1
     extra = None

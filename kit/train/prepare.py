@@ -39,7 +39,7 @@ from kit.train.log import emitter, start_trackers
 from kit.train.objective import EMA, FixedLoss, elementwise_loss
 from kit.train.offload import block_swap, check_block_swap, place
 from kit.train.preserve import Preserver, check_preservation, check_triggers
-from kit.train.resume import check_resume, check_shape, restore
+from kit.train.resume import check_resume, check_shape, restore, truncate_metrics
 from kit.train.sizes import refuse_impossible_sizes
 from kit.train.slider import Slider
 from kit.train.state import Callback, TrainResult, TrainState
@@ -288,6 +288,8 @@ def prepare(
         accelerator.print(f"resumed from {resume_from} at step {s.step}")
     elif resume == "latest":
         accelerator.print("no checkpoint to resume from; starting at step 0")
+        if s.main:  # rows an earlier attempt logged before its first checkpoint are trained again
+            truncate_metrics(s.run, 0)
     s.result.step = s.step
     _write_run_files(s)
     start_trackers(accelerator, cfg)
