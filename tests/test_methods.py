@@ -55,6 +55,7 @@ def test_adapter_kind_trains_resumes_and_exports(tmp_path, make_config, kind, fo
             assert f.metadata()["ss_network_alpha"] == "2.0"
 
 
+@pytest.mark.slow
 def test_lycoris_reader_matches_peft_delta(tmp_path, make_config, tiny_sd15):
     """The independent LyCORIS reader computes the same update as the layers that trained."""
     from kit.families import get_family

@@ -92,6 +92,7 @@ def test_overwrite_removes_only_the_files_the_run_wrote(capsys, make_config, tmp
     assert old_kit_files  # the earlier run wrote files, and they were there to remove
 
 
+@pytest.mark.slow
 def test_overwrite_of_a_run_from_before_the_ledger_keeps_the_users_files(
     capsys, make_config, tmp_path
 ):

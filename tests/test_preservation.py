@@ -352,6 +352,7 @@ def test_adapter_scaled_acts_at_the_scale_and_puts_the_scaling_back(make_config)
         train(train_cfg)
 
 
+@pytest.mark.slow
 def test_slider_run_resumes_bit_for_bit(tmp_path, make_config):
     from kit.train.loop import train
 

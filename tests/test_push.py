@@ -94,6 +94,7 @@ def test_dry_run_writes_exactly_the_upload_folder(run, dry_run):
     assert all(any(line.endswith(f"  {f}") for line in lines) for f in dry_run.files)
 
 
+@pytest.mark.slow
 def test_no_file_holds_a_local_path_or_a_token(run, dry_run, tmp_path_factory):
     local = [
         str(tmp_path_factory.getbasetemp()).encode(),

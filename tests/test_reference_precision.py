@@ -111,6 +111,7 @@ def test_nan_message_advises_bf16_only_where_the_gpu_has_it(monkeypatch):
 # ------------------------------------------------------------ 2: textual inversion under fp16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["sd15", "sdxl"])
 def test_textual_inversion_trains_under_fp16(tmp_path, tiny_base, dataset, family, cpu_fp16):
     _placeholder_captions(dataset)

@@ -25,6 +25,7 @@ def test_random_polygons_come_in_any_color():
     assert len(colors - known) >= 30  # a codec for every color, not the six of the world
 
 
+@pytest.mark.slow
 def test_a_short_build_saves_a_loadable_pipeline(tmp_path):
     import torch
     from diffusers import StableDiffusionPipeline
@@ -69,6 +70,7 @@ def test_the_color_term_makes_latents_follow_the_image_colors():
     assert color_error(1.0) < 0.5 * color_error(0.0)
 
 
+@pytest.mark.slow
 def test_the_recipe_names_the_command_that_rebuilds_it(tmp_path):
     out = toybase.build(
         tmp_path / "b",

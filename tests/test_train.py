@@ -33,6 +33,7 @@ GUIDE = {
 }
 
 
+@pytest.mark.slow
 def test_guide_flat_config_trains(tmp_path, tiny_sd15, dataset, monkeypatch):
     """The config users copy from the guide trains once its paths point at real folders."""
     # Its bf16 falls back to fp32 on a CPU without bf16 instructions (tests/test_cpu_bf16.py
@@ -114,6 +115,7 @@ def test_resume_mid_run_matches_straight_run(tmp_path, make_config):
     assert steps == list(range(1, 21))
 
 
+@pytest.mark.slow
 def test_cli_resume_with_longer_run_matches_straight_run(tmp_path, make_config):
     """`kit train -s max_train_steps=10`, then `kit train --resume latest` to 20 = 20 straight."""
     from kit.cli import main

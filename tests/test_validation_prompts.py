@@ -126,6 +126,7 @@ def test_each_entry_is_drawn_as_it_asks_and_the_sidecar_says_so(run):
     assert grid.size == (96, (14 + 32) + (14 + 48) + (14 + 32))
 
 
+@pytest.mark.slow
 def test_the_export_reproduces_images_drawn_with_other_samplers(run, tiny_sd15):
     result = export(run.root, "diffusers")
     v = result.verification
