@@ -347,3 +347,36 @@ def resumed_equals_straight(tmp_path: Path, b: Path, stop: int = 2, end: int = 4
     wa = load_file(str(ckpt.checkpoint_dir(tmp_path / "a", end) / ckpt.ADAPTER_FILE))
     wb = load_file(str(ckpt.checkpoint_dir(tmp_path / "b", end) / ckpt.ADAPTER_FILE))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def transformer_calls(pipe, **call) -> list[dict]:
+    """The keyword inputs of every transformer call during `pipe(**call)`, cloned: what a
+    family's training inputs are compared with, tensor for tensor."""
+    import torch
+
+    calls = []
+    forward = pipe.transformer.forward
+
+    def record(**kwargs):
+        calls.append({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+        return forward(**kwargs)
+
+    pipe.transformer.forward = record
+    try:
+        pipe(**call)
+    finally:
+        pipe.transformer.forward = forward
+    return calls
+
+
+def assert_same_inputs(kit: dict, pipeline: dict) -> None:
+    """Every input the kit builds is the pipeline's: tensors equal with their dtype, the rest
+    equal."""
+    import torch
+
+    for name, ours in kit.items():
+        theirs = pipeline[name]
+        if torch.is_tensor(ours) or torch.is_tensor(theirs):
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
+        else:
+            assert ours == theirs, name

@@ -18,7 +18,9 @@ from kit.families import get_family
 from kit.families.krea2 import layout
 from kit.families.krea2.family import pack, transformer_inputs, unpack
 from kit.families.samplers import ImageSpec
+from tests.conftest import assert_same_inputs as _assert_same
 from tests.conftest import lora_loads_exactly
+from tests.conftest import transformer_calls as _recorded_call
 
 CAPTIONS = ["a red zorbstar", "a small blue circle on the left of a big green tree"]
 LENGTH = 24  # a short fixed text length keeps the tiny runs quick
@@ -48,29 +50,6 @@ def _family(base, **changes):
 def loaded(tiny_raw):
     family = _family(tiny_raw, max_sequence_length=LENGTH)
     return family, family.load(str(tiny_raw))
-
-
-def _recorded_call(pipe, **call):
-    """The keyword inputs of every transformer call during `pipe(**call)`."""
-    calls = []
-    forward = pipe.transformer.forward
-
-    def record(**kwargs):
-        calls.append({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
-        return forward(**kwargs)
-
-    pipe.transformer.forward = record
-    try:
-        pipe(**call)
-    finally:
-        pipe.transformer.forward = forward
-    return calls
-
-
-def _assert_same(kit: dict, pipeline: dict) -> None:
-    for name, ours in kit.items():
-        theirs = pipeline[name]
-        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
 
 
 def test_packing_is_the_pipelines(loaded):

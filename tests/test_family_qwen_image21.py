@@ -17,7 +17,9 @@ import torch
 from kit.config import Config
 from kit.families import get_family
 from kit.families.qwen_image21.family import pack, transformer_inputs, unpack
+from tests.conftest import assert_same_inputs as _assert_same
 from tests.conftest import lora_loads_exactly
+from tests.conftest import transformer_calls as _recorded_call
 
 CAPTIONS = ["a red zorbstar", "a small blue circle on the left of a big green tree"]
 LENGTH = 48
@@ -48,32 +50,6 @@ def _family(base, **changes):
 def loaded(tiny21):
     family = _family(tiny21, max_sequence_length=LENGTH)
     return family, family.load(str(tiny21))
-
-
-def _recorded_call(pipe, **call):
-    """The keyword inputs of every transformer call during `pipe(**call)`."""
-    calls = []
-    forward = pipe.transformer.forward
-
-    def record(**kwargs):
-        calls.append({k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()})
-        return forward(**kwargs)
-
-    pipe.transformer.forward = record
-    try:
-        pipe(**call)
-    finally:
-        pipe.transformer.forward = forward
-    return calls
-
-
-def _assert_same(kit: dict, pipeline: dict) -> None:
-    for name, ours in kit.items():
-        theirs = pipeline[name]
-        if torch.is_tensor(ours) or torch.is_tensor(theirs):
-            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs), name
-        else:
-            assert ours == theirs, name
 
 
 def test_packing_is_the_pipelines(loaded):
